@@ -1,0 +1,173 @@
+"""Engine configuration: one frozen dataclass shared by every process.
+
+The launcher builds an `EngineConfig` from vLLM-style keyword arguments (or CLI flags of the same
+names), validates it in `__post_init__`, and hands it to every process as JSON (`to_json` /
+`from_json`): the config never crosses a socket as pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid; the message names the setting and the limit."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting, with vLLM's names and meanings.
+
+    Lengths are in tokens, memory in GiB, `block_size` in tokens per KV-cache block.
+    Raises `ConfigError` for a missing model folder, an unsupported architecture, or any
+    out-of-range value.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kvcache_blocks: int | None = None  # force the KV cache size (tests, debugging)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float | None = None  # fixed KV-cache size; CPU default 1 GiB
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    profile_dir: str | None = None  # write a cProfile (and torch profiler) trace per process here
+    log_level: str = "WARNING"
+    # Filled by `resolve()` from the checkpoint's config.json; not user settings.
+    architecture: str = ""
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"model folder {self.model!r} does not exist (models load from local folders)")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"model folder {self.model!r} has no config.json: not a Hugging Face checkpoint")
+        positive("max_model_len", self.max_model_len, allow_none=True)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("block_size", self.block_size)
+        positive("num_kvcache_blocks", self.num_kvcache_blocks, allow_none=True)
+        positive("kv_cache_memory_gb", self.kv_cache_memory_gb, allow_none=True)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(int(s) for s in self.cuda_graph_sizes))))
+            if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) <= 0:
+                raise ConfigError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    # ------------------------------------------------------------------ derived values
+    def resolve(self) -> EngineConfig:
+        """Read the checkpoint's config.json and fill the derived fields.
+
+        Raises `ConfigError` for an unsupported architecture, a `max_model_len` beyond the model's
+        positions, or a tensor-parallel size that does not divide the attention heads.
+        """
+        hf = load_hf_config(self.model)
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), "")
+        if not arch:
+            raise ConfigError(
+                f"model {self.model!r} has architectures {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_max = int(getattr(hf, "max_position_embeddings", 0) or 0) or 4096
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
+        tp = self.tensor_parallel_size
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        if heads % tp:
+            raise ConfigError(f"tensor_parallel_size {tp} does not divide num_attention_heads {heads}")
+        if kv_heads % tp and tp % kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size {tp} and num_key_value_heads {kv_heads}: one must divide the other"
+            )
+        eos = hf_eos_token_ids(self.model, hf)
+        return dataclasses.replace(
+            self,
+            max_model_len=max_model_len,
+            architecture=arch,
+            vocab_size=int(hf.vocab_size),
+            eos_token_ids=tuple(eos),
+        )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block table: blocks needed for one `max_model_len` sequence."""
+        assert self.max_model_len is not None, "call resolve() first"
+        return -(-self.max_model_len // self.block_size)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        data: dict[str, Any] = json.loads(text)
+        for key in ("cuda_graph_sizes", "eos_token_ids"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """User-settable field names (the derived ones are excluded)."""
+        derived = {"architecture", "vocab_size", "eos_token_ids"}
+        return [f.name for f in dataclasses.fields(cls) if f.name not in derived]
+
+
+def load_hf_config(model_dir: str) -> Any:
+    """The checkpoint's `transformers` config. Raises `ConfigError` if it cannot be parsed."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises several types for a bad config.json
+        raise ConfigError(f"cannot read {model_dir}/config.json: {exc}") from exc
+
+
+def hf_eos_token_ids(model_dir: str, hf_config: Any) -> list[int]:
+    """End-of-sequence ids: generation_config.json's `eos_token_id` (int or list), else config.json's."""
+    eos: Any = None
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

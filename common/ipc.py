@@ -1,0 +1,120 @@
+"""ZeroMQ plumbing: the engine's socket addresses and typed send/receive wrappers.
+
+Every socket carries messages of `common.protocol` only. A process binds the sockets it
+receives on (PULL, ROUTER) and connects the ones it sends on, so start-up order does not
+matter: ZeroMQ queues messages until the peer appears.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+
+from common import protocol
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The addresses of one engine launch (ipc:// paths in a per-launch folder, or tcp://).
+
+    - `client`: frontend ROUTER, clients connect DEALER sockets here.
+    - `control`: launcher PULL, every process reports ready / failed here.
+    - `frontend_in`: frontend PULL, the scheduler's outputs.
+    - `scheduler_in`: scheduler PULL, the frontend's requests.
+    - `worker_out`: scheduler PULL, the workers' hand-shakes and step results.
+    - `plans`: one scheduler PUSH per worker rank, step plans.
+    - `dist_init`: torch.distributed rendezvous (tcp://host:port), for tensor parallelism.
+    - `run_dir`: the per-launch folder holding ipc sockets ("" for tcp).
+    """
+
+    client: str
+    control: str
+    frontend_in: str
+    scheduler_in: str
+    worker_out: str
+    plans: tuple[str, ...]
+    dist_init: str
+    run_dir: str = ""
+
+    @classmethod
+    def create(cls, tp_size: int, transport: str = "ipc", host: str = "127.0.0.1") -> Endpoints:
+        """Fresh addresses for one launch; two launches never share a path or port."""
+        dist_init = f"tcp://{host}:{free_port(host)}"
+        if transport == "ipc":
+            run_dir = tempfile.mkdtemp(prefix="deltaserve-")
+            a = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
+            return cls(a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out"),
+                       tuple(a(f"plans-{r}") for r in range(tp_size)), dist_init, run_dir)
+        if transport == "tcp":
+            t = lambda: f"tcp://{host}:{free_port(host)}"  # noqa: E731
+            return cls(t(), t(), t(), t(), t(), tuple(t() for _ in range(tp_size)), dist_init)
+        raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+
+    def with_client(self, address: str) -> Endpoints:
+        d = asdict(self)
+        d["client"] = address
+        d["plans"] = tuple(d["plans"])
+        return Endpoints(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Endpoints:
+        return cls(**{**d, "plans": tuple(d["plans"])})
+
+    def cleanup(self) -> None:
+        """Remove the per-launch folder (and the socket files in it)."""
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    """A socket with no send/receive limits and no linger at close (exit never blocks)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        if address.startswith("ipc://"):
+            path = address[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Any) -> None:
+    sock.send(protocol.encode(msg), copy=False)
+
+
+def recv(sock: zmq.Socket, timeout_ms: int | None = None) -> Any:
+    """The next message, or None after `timeout_ms`. Raises `ProtocolError` on a malformed one."""
+    if timeout_ms is not None and not sock.poll(timeout_ms):
+        return None
+    return protocol.decode(sock.recv(copy=True))
+
+
+def recv_all(sock: zmq.Socket) -> list[bytes]:
+    """Every message waiting on the socket now (raw bytes), without blocking."""
+    frames = []
+    while True:
+        try:
+            frames.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return frames

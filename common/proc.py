@@ -1,0 +1,98 @@
+"""What every engine process does the same way: its name, logging, dying with its parent,
+signals, profiling, and reporting a fatal error before it exits."""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import zmq
+
+from common import ipc, protocol
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
+
+
+def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None = None) -> logging.Logger:
+    """Name the process for `ps` ("deltaserve-<name>"), configure logging, and arrange to exit
+    when the parent (the launcher) dies, even by SIGKILL."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"deltaserve-{name}")
+    except ImportError:  # optional: only `ps` output changes
+        pass
+    import multiprocessing
+
+    multiprocessing.current_process().name = name
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    # The launcher owns Ctrl-C: it stops every process in order. A child only obeys SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    return logging.getLogger(f"deltaserve.{name}")
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Exit if `parent_pid` goes away: PR_SET_PDEATHSIG on Linux, plus a polling thread."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
+    """Run the body under cProfile and write `<profile_dir>/<name>.prof` when it ends."""
+    if not profile_dir:
+        yield
+        return
+    os.makedirs(profile_dir, exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(profile_dir, f"{name}.prof"))
+
+
+def run_process(name: str, control_address: str, body: Callable[[], None]) -> None:
+    """Run a process body; on an exception, tell the launcher why before exiting with code 1."""
+    try:
+        body()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # any failure: report it, then die (the launcher stops the rest)
+        text = f"{type(exc).__name__}: {exc}"
+        logging.getLogger(f"deltaserve.{name}").error("fatal error:\n%s", traceback.format_exc())
+        with contextlib.suppress(Exception):
+            ctx = zmq.Context.instance()
+            sock = ipc.make_socket(ctx, zmq.PUSH, control_address, bind=False)
+            sock.setsockopt(zmq.LINGER, 2000)
+            ipc.send(sock, protocol.ProcessFailed(name=name, error=text))
+            sock.close()
+        sys.exit(1)

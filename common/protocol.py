@@ -1,0 +1,422 @@
+"""Every message that crosses a socket, and the one codec that encodes them.
+
+Processes and sockets (all ZeroMQ, ipc:// in a per-launch folder or tcp://)::
+
+    client --DEALER/ROUTER--> frontend --PUSH/PULL--> scheduler --PUSH/PULL (one per rank)--> workers
+    client <----------------- frontend <-------------- scheduler <------------- (rank 0 results)
+
+Wire format: msgpack only (never pickle: a message from the network must not be able to run
+code). A message is the array ``[PROTOCOL_VERSION, type_name, field_1, field_2, ...]`` with its
+fields in declaration order; nested structs are plain arrays of their fields. Integer arrays
+(token ids, block ids, sequence ids) travel as msgpack ``bin`` holding little-endian int32, which
+keeps a 256-request decode step near 1 KiB and decodes without a Python loop.
+
+Compatibility: a peer with another `PROTOCOL_VERSION` is refused. Within a version, new fields
+are only ever appended, with defaults: a decoder fills missing trailing fields from their
+defaults (older sender) and ignores extra trailing fields (newer sender).
+
+Deltas, not snapshots (the step plan, scheduler -> workers):
+- A request's prompt token ids, sampling parameters and first block ids travel once, in
+  `NewRequest`, in the first plan that schedules it.
+- A request that continues costs only its sequence id (in `decode_seq_ids`, one token each) or
+  its id and token count (in `prefill_seq_ids` / `prefill_num_tokens`, a later prefill chunk),
+  plus `NewBlocks` only in the steps that allocate it a block.
+- Finished (including aborted) and preempted ids are sent once. A preempted request keeps its
+  tokens on the workers; when re-admitted, `ResumedRequest` brings only its new block ids.
+- Sampled tokens never travel scheduler -> worker: each worker already holds them.
+
+Rows of a step, in this order: `new_requests`, `resumed_requests`, prefill chunks, decodes. A row
+samples one token exactly when its scheduled tokens reach the end of the tokens known for the
+request (prompt plus tokens sampled so far); `StepResult.sampled_token_ids` holds those tokens
+in row order. Both sides apply the same rule, so token ids need no request ids beside them.
+
+Errors: `decode` raises `ProtocolError` for anything malformed (not msgpack, wrong version,
+unknown type, missing or mistyped field); receivers answer it or log it and keep serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded (malformed, wrong version, unknown type, bad field)."""
+
+
+class Int32Array:
+    """Annotation marker: a 1-D int32 `numpy.ndarray` carried as msgpack bin (little-endian).
+
+    Decoded arrays are read-only views of the received bytes; copy before writing into them.
+    """
+
+
+def i32(values: Any) -> np.ndarray:
+    """A contiguous little-endian int32 array from a list, range or array."""
+    return np.ascontiguousarray(values, dtype="<i4")
+
+
+EMPTY_I32 = np.zeros(0, dtype="<i4")
+EMPTY_I32.setflags(write=False)
+
+
+def _empty_i32() -> Any:
+    return field(default_factory=lambda: EMPTY_I32)
+
+
+_MESSAGES: dict[str, type] = {}
+_HINTS: dict[type, list[tuple[str, Any]]] = {}
+
+
+def _struct(cls: type) -> type:
+    """Make `cls` a dataclass whose fields travel as a positional array."""
+    cls = dataclass(cls)
+    hints = typing.get_type_hints(cls, globalns=globals())
+    _HINTS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return cls
+
+
+def _message(cls: type) -> type:
+    """A top-level message: a struct that carries its type name on the wire."""
+    cls = _struct(cls)
+    _MESSAGES[cls.__name__] = cls
+    return cls
+
+
+# ============================================================================ launcher / start-up
+@_message
+class ProcessReady:
+    """Any process -> launcher: started and ready. `info` is free-form, for logs."""
+
+    name: str  # e.g. "frontend", "scheduler", "worker-tp0"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@_message
+class ProcessFailed:
+    """Any process -> launcher (and scheduler -> frontend): a fatal error, sent before exiting."""
+
+    name: str
+    error: str  # human-readable cause, shown to the user
+
+
+@_message
+class WorkerReady:
+    """Worker -> scheduler: model loaded; how many KV-cache blocks this rank can hold."""
+
+    rank: int
+    max_num_kv_blocks: int  # blocks that fit in this rank's KV-cache budget
+    kv_bytes_per_block: int  # bytes of one block (K and V, all layers) on this rank
+    device: str  # e.g. "cuda:0 (NVIDIA H200)" or "cpu"
+
+
+@_message
+class InitKVCache:
+    """Scheduler -> workers: allocate this many KV-cache blocks (the minimum over ranks)."""
+
+    num_kv_blocks: int
+
+
+@_message
+class KVCacheReady:
+    """Worker -> scheduler: cache allocated (and CUDA graphs captured)."""
+
+    rank: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@_message
+class EngineReady:
+    """Scheduler -> frontend: the engine is serving; its capacity."""
+
+    num_kv_blocks: int
+    block_size: int  # tokens per block
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@_message
+class Shutdown:
+    """Launcher -> any process, or scheduler -> workers: exit cleanly."""
+
+    reason: str = ""
+
+
+# ============================================================================ client <-> frontend
+@_struct
+class GenerateRequest:
+    """One prompt. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str  # chosen by the client, unique among its live requests
+    prompt: str | None = None  # encoded as tokenizer(prompt) would
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the chat template
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    stream: bool = False  # True: an output per step; False: one output when finished
+
+
+@_message
+class Submit:
+    """Client -> frontend: new requests. With `all_or_nothing`, one invalid request rejects all."""
+
+    requests: list[GenerateRequest]
+    all_or_nothing: bool = False
+
+
+@_message
+class Abort:
+    """Client -> frontend: stop these requests (finish reason "abort")."""
+
+    request_ids: list[str]
+
+
+@_message
+class GetEngineInfo:
+    """Client -> frontend: ask for `EngineInfo`."""
+
+
+@_message
+class EngineInfo:
+    """Frontend -> client: what this engine serves and its limits."""
+
+    model: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@_message
+class Ping:
+    """Client -> frontend: are you alive? Answered by `Pong` with the same nonce."""
+
+    nonce: int = 0
+
+
+@_message
+class Pong:
+    nonce: int = 0
+
+
+@_struct
+class RequestOutput:
+    """Frontend -> client: news of one request (a delta when streaming, else the whole output)."""
+
+    request_id: str
+    text: str = ""  # new text since the last output of this request
+    token_ids: list[int] = field(default_factory=list)  # new output token ids since the last output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None  # why the request failed (finish_reason "error")
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), on finish
+
+
+@_message
+class RequestOutputs:
+    """Frontend -> client: outputs of one step for this client."""
+
+    outputs: list[RequestOutput]
+
+
+@_message
+class ErrorReply:
+    """Frontend -> client: a message the frontend could not accept (e.g. malformed)."""
+
+    error: str
+
+
+# ============================================================================ frontend -> scheduler
+@_struct
+class EngineRequest:
+    """A validated, tokenized request. `seq_id` is the engine-wide id chosen by the frontend."""
+
+    seq_id: int
+    prompt_token_ids: Int32Array
+    temperature: float  # 0 = greedy
+    max_tokens: int
+    seed: int | None
+    stop_token_ids: list[int]  # sampled ids that finish the request (EOS unless ignore_eos, + user ids)
+    arrival_time: float  # time.time() at the frontend, seconds
+
+
+@_message
+class AddRequests:
+    requests: list[EngineRequest]
+
+
+@_message
+class AbortSeqs:
+    seq_ids: list[int]
+
+
+# ============================================================================ scheduler -> frontend
+@_struct
+class FinishedSeq:
+    seq_id: int
+    reason: str  # "stop", "length", "abort" or "error"
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when reason == "error" (e.g. needs more KV blocks than exist)
+
+
+@_message
+class StepOutputs:
+    """Scheduler -> frontend: tokens sampled in one step, and requests that ended."""
+
+    step_id: int
+    seq_ids: Int32Array = _empty_i32()  # [n] requests that received a token
+    token_ids: Int32Array = _empty_i32()  # [n] the token each received
+    finished: list[FinishedSeq] = field(default_factory=list)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prefix hit, on first token
+
+
+# ============================================================================ scheduler -> workers
+@_struct
+class NewRequest:
+    """A request the workers have not seen: everything they need, sent once."""
+
+    seq_id: int
+    prompt_token_ids: Int32Array
+    temperature: float
+    seed: int | None
+    block_ids: Int32Array  # its whole block table so far
+    num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in those blocks
+    num_scheduled_tokens: int  # tokens to compute this step, from position num_computed_tokens
+
+
+@_struct
+class ResumedRequest:
+    """A preempted request admitted again; the workers still hold its tokens."""
+
+    seq_id: int
+    block_ids: Int32Array  # its new whole block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@_struct
+class NewBlocks:
+    seq_id: int
+    block_ids: Int32Array  # appended to the request's block table
+
+
+@_message
+class StepPlan:
+    """Scheduler -> every worker rank: what to run in step `step_id` (deltas only)."""
+
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    resumed_requests: list[ResumedRequest] = field(default_factory=list)
+    prefill_seq_ids: Int32Array = _empty_i32()  # [p] running requests with a later prefill chunk
+    prefill_num_tokens: Int32Array = _empty_i32()  # [p] tokens of that chunk
+    decode_seq_ids: Int32Array = _empty_i32()  # [d] running requests computing one token
+    new_blocks: list[NewBlocks] = field(default_factory=list)  # applied before the step runs
+    finished_seq_ids: Int32Array = _empty_i32()  # finished or aborted: forget them (applied first)
+    preempted_seq_ids: Int32Array = _empty_i32()  # free their blocks, keep their tokens (applied first)
+
+
+# ============================================================================ workers -> scheduler
+@_message
+class StepResult:
+    """Worker rank 0 -> scheduler: the tokens sampled in a step, in row order."""
+
+    step_id: int
+    sampled_token_ids: Int32Array = _empty_i32()
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds, for the step log
+
+
+# ============================================================================ codec
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return i32(value).tobytes()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [_to_wire(getattr(value, name)) for name, _ in _HINTS[type(value)]]
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def encode(msg: Any) -> bytes:
+    """Encode a message (an instance of a class registered here) to msgpack bytes."""
+    cls = type(msg)
+    if _MESSAGES.get(cls.__name__) is not cls:
+        raise TypeError(f"{cls.__name__} is not a protocol message")
+    return msgpack.packb([PROTOCOL_VERSION, cls.__name__, *_to_wire(msg)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes into a message. Raises `ProtocolError` for anything malformed."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"not a msgpack message: {exc}") from None
+    if not isinstance(obj, list) or len(obj) < 2:
+        raise ProtocolError("a message must be an array [version, type, fields...]")
+    version, name, *values = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
+    cls = _MESSAGES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    return _build(cls, values, name)
+
+
+def _build(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, list):
+        raise ProtocolError(f"{where}: expected an array of fields")
+    spec = _HINTS[cls]
+    kwargs = {}
+    for (name, hint), value in zip(spec, values):  # extra trailing values: a newer peer's fields
+        kwargs[name] = _check(hint, value, f"{where}.{name}")
+    try:
+        return cls(**kwargs)  # missing trailing fields take their defaults
+    except TypeError as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if hint is Int32Array:
+        if not isinstance(value, bytes) or len(value) % 4:
+            raise ProtocolError(f"{where}: expected int32 bytes")
+        return np.frombuffer(value, dtype="<i4")
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(inner[0], value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        return value
+    if hint in _HINTS:
+        return _build(hint, value, where)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
+    if hint in (str, bool, bytes) and not isinstance(value, hint):
+        raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+MESSAGE_TYPES = _MESSAGES  # name -> class, for tests and tools

@@ -1,0 +1,62 @@
+"""Per-request sampling parameters (nano-vllm's and vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    - `temperature`: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature)
+      by the Gumbel-max trick. Negative or non-finite values raise `ValueError`.
+    - `max_tokens`: the most output tokens to generate (>= 1). Generation also stops at
+      `max_model_len` total tokens, with finish reason "length".
+    - `ignore_eos`: keep generating past the model's end-of-sequence tokens.
+    - `stop_token_ids`: extra token ids that end generation (finish reason "stop"); they apply
+      even with `ignore_eos`.
+    - `seed`: makes this request's samples reproducible whatever else is in the batch.
+    - `skip_special_tokens`: leave special tokens out of the returned text (token ids keep them).
+    """
+
+    temperature: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the bad field and the allowed range."""
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {m!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a wire dict; unknown keys raise `ValueError` (a typo must not be ignored)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling parameters must be a map, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
+        return cls(**data)

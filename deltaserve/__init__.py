@@ -1,0 +1,11 @@
+"""deltaserve: a multi-process LLM inference engine.
+
+    from deltaserve import LLM, SamplingParams
+"""
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from frontend.client import EngineClient
+from frontend.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineClient"]

@@ -1,0 +1,3 @@
+from frontend.process import main
+
+main()

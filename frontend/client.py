@@ -1,0 +1,229 @@
+"""A ZeroMQ client of a running engine: an importable class and a command line.
+
+    python -m frontend.client --port 8000 "What is the capital of France?"
+
+The client talks to the frontend's ROUTER socket with a DEALER socket, in `common.protocol`
+messages. While it waits it pings the frontend; if nothing answers for `dead_after_s` seconds it
+raises `EngineConnectionError` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+
+from common import ipc
+from common.protocol import (
+    Abort,
+    EngineInfo,
+    ErrorReply,
+    GenerateRequest,
+    GetEngineInfo,
+    Ping,
+    Pong,
+    RequestOutput,
+    RequestOutputs,
+    Submit,
+    decode,
+)
+from common.sampling_params import SamplingParams
+
+
+class EngineConnectionError(RuntimeError):
+    """The engine did not answer (not running, wrong address, or it died)."""
+
+
+class EngineClient:
+    def __init__(self, address: str, liveness: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
+                 dead_after_s: float = 20.0) -> None:
+        """`address`: the frontend's client address (tcp://host:port or ipc://path).
+        `liveness`: called while waiting; may raise to abort the wait (the launcher's `check`)."""
+        self.address = address
+        self.ctx = zmq.Context.instance()
+        self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False)
+        self.liveness = liveness
+        self.ping_interval_s = ping_interval_s
+        self.dead_after_s = dead_after_s
+        self._pending: deque[RequestOutput] = deque()
+        self._info: EngineInfo | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ sending
+    def submit(self, requests: list[GenerateRequest]) -> None:
+        ipc.send(self.sock, Submit(requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        ipc.send(self.sock, Abort(list(request_ids)))
+
+    # ------------------------------------------------------------------ receiving
+    def _receive(self, timeout_s: float | None) -> bool:
+        """Wait for one message and file it; False on timeout. Raises `EngineConnectionError`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last_heard = time.monotonic()
+        last_ping = last_heard
+        while True:
+            if self.liveness is not None:
+                self.liveness()
+            if self.sock.poll(100):
+                msg = decode(self.sock.recv())
+                if isinstance(msg, RequestOutputs):
+                    self._pending.extend(msg.outputs)
+                    return True
+                if isinstance(msg, EngineInfo):
+                    self._info = msg
+                    return True
+                if isinstance(msg, ErrorReply):
+                    raise RuntimeError(f"the engine refused a message: {msg.error}")
+                if isinstance(msg, Pong):
+                    last_heard = time.monotonic()
+                continue
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                return False
+            if now - last_heard > self.dead_after_s:
+                raise EngineConnectionError(f"no answer from the engine at {self.address} for "
+                                            f"{self.dead_after_s:.0f} s")
+            if now - last_ping > self.ping_interval_s:
+                ipc.send(self.sock, Ping(int(now)))
+                last_ping = now
+
+    def recv_outputs(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """The next outputs (any of this client's requests); [] after `timeout_s` seconds."""
+        if not self._pending and not self._receive(timeout_s):
+            return []
+        outputs = list(self._pending)
+        self._pending.clear()
+        return outputs
+
+    def engine_info(self, timeout_s: float = 30.0) -> EngineInfo:
+        """The engine's model and limits. Raises `EngineConnectionError` if it does not answer."""
+        self._info = None
+        ipc.send(self.sock, GetEngineInfo())
+        deadline = time.monotonic() + timeout_s
+        while self._info is None:
+            if not self._receive(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                raise EngineConnectionError(f"no answer from the engine at {self.address} within {timeout_s:.0f} s")
+        return self._info
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompt: str | list[int] | list[dict[str, str]], sampling_params: SamplingParams | None = None,
+                 stream: bool = True) -> Iterator[RequestOutput]:
+        """Submit one request and yield its outputs (deltas when streaming) until it finishes.
+
+        `prompt`: text, token ids, or chat messages. Closing the iterator early aborts the request.
+        """
+        params = sampling_params or SamplingParams()
+        rid = self.new_request_id()
+        req = GenerateRequest(rid, sampling=params.to_dict(), stream=stream)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif prompt and isinstance(prompt[0], dict):
+            req.messages = list(prompt)  # type: ignore[arg-type]
+        else:
+            req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
+        self.submit([req])
+        finished = False
+        others: list[RequestOutput] = []  # outputs of other requests, kept for their reader
+        try:
+            while not finished:
+                for out in self.recv_outputs():
+                    if out.request_id != rid:
+                        others.append(out)
+                        continue
+                    finished = out.finished
+                    yield out
+        finally:
+            self._pending.extendleft(reversed(others))
+            if not finished:
+                self.abort([rid])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Submit prompts to a running deltaserve engine and print the answers.")
+    p.add_argument("prompts", nargs="+", help="prompt texts")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt when it finishes")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds without any answer before giving up")
+    args = p.parse_args(argv)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        p.error(str(exc))
+    address = args.address or f"tcp://{args.host}:{args.port}"
+    client = EngineClient(address, dead_after_s=args.timeout)
+    try:
+        client.engine_info(timeout_s=args.timeout)
+    except EngineConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    stream = len(args.prompts) == 1 and not args.json
+    reqs: list[GenerateRequest] = []
+    for text in args.prompts:
+        req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=stream)
+        if args.chat:
+            req.messages = [{"role": "user", "content": text}]
+        else:
+            req.prompt = text
+        reqs.append(req)
+    order = {r.request_id: i for i, r in enumerate(reqs)}
+    results: dict[str, dict[str, Any]] = {}
+    client.submit(reqs)
+    status = 0
+    try:
+        while len(results) < len(reqs):
+            for out in client.recv_outputs():
+                if stream:
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                if not out.finished:
+                    continue
+                results[out.request_id] = {"prompt": args.prompts[order[out.request_id]], "text": out.text,
+                                           "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                           "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+                                           "num_cached_tokens": out.num_cached_tokens, **out.metrics}
+                if out.error:
+                    print(f"error: {out.error}", file=sys.stderr)
+                    status = 1
+                elif args.json:
+                    print(json.dumps(results[out.request_id], ensure_ascii=False))
+                elif not stream:
+                    print(f"--- {results[out.request_id]['prompt']}\n{out.text}\n")
+        if stream:
+            print()
+    except KeyboardInterrupt:
+        client.abort([r.request_id for r in reqs])
+        return 130
+    except EngineConnectionError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

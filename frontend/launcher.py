@@ -1,0 +1,149 @@
+"""Start the engine's processes, wait until they are ready, watch them, stop them.
+
+One engine = one frontend, one scheduler and one worker per tensor-parallel rank, each a
+separate `python -m <package>` process (so each can also be started by hand, e.g. a worker on
+another host, or under a profiler). Every process reports ready or failed on the launcher's
+control socket. If any process dies, `check()` raises `EngineDeadError` naming it, after
+stopping all the others; children also die with the launcher (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from common import ipc
+from common.config import EngineConfig
+from common.protocol import ProcessFailed, ProcessReady, ProtocolError, decode
+
+log = logging.getLogger("deltaserve.launcher")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class EngineStartError(RuntimeError):
+    """A process failed while the engine was starting; the message says which and why."""
+
+
+class EngineDeadError(RuntimeError):
+    """An engine process died while serving; the engine has been shut down."""
+
+
+class EngineProcesses:
+    def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
+                 host: str = "127.0.0.1") -> None:
+        """`config` is resolved here (raises `ConfigError` for an unusable model or setting)."""
+        self.config = config.resolve()
+        self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
+        if client_address:
+            self.endpoints = self.endpoints.with_client(client_address)
+        self.ctx = zmq.Context.instance()
+        self.control: zmq.Socket | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.failures: list[str] = []
+        self.info: dict[str, Any] = {}
+        self.closed = False
+
+    # ------------------------------------------------------------------ start
+    def _spawn(self, name: str, module: str, *extra: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", module, "--config", self.config.to_json(),
+               "--endpoints", json.dumps(self.endpoints.to_dict()), "--parent-pid", str(os.getpid()), *extra]
+        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT)
+
+    def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Start every process and wait until all are ready; returns the frontend's engine info.
+
+        Raises `EngineStartError` (after stopping everything) if a process fails or the timeout passes.
+        """
+        self.control = ipc.make_socket(self.ctx, zmq.PULL, self.endpoints.control, bind=True)
+        tp = self.config.tensor_parallel_size
+        try:
+            for rank in range(tp):
+                self._spawn(f"worker-tp{rank}", "workers", "--rank", str(rank))
+            self._spawn("scheduler", "scheduler_proc")
+            self._spawn("frontend", "frontend")
+            waiting = set(self.procs)
+            deadline = time.monotonic() + timeout_s
+            while waiting:
+                self._read_control(waiting, timeout_ms=200)
+                self._raise_if_dead(EngineStartError)
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"the engine did not start within {timeout_s:.0f} s "
+                                           f"(still waiting for {sorted(waiting)})")
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.info
+
+    def _read_control(self, waiting: set[str] | None = None, timeout_ms: int = 0) -> None:
+        assert self.control is not None
+        if not self.control.poll(timeout_ms):
+            return
+        for raw in ipc.recv_all(self.control):
+            try:
+                msg = decode(raw)
+            except ProtocolError as exc:
+                log.error("malformed control message: %s", exc)
+                continue
+            if isinstance(msg, ProcessReady):
+                if waiting is not None:
+                    waiting.discard(msg.name)
+                if msg.name == "frontend":
+                    self.info = dict(msg.info)
+            elif isinstance(msg, ProcessFailed):
+                self.failures.append(f"{msg.name}: {msg.error}")
+
+    # ------------------------------------------------------------------ watch
+    def _raise_if_dead(self, error: type[RuntimeError]) -> None:
+        dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+        if not dead and not self.failures:
+            return
+        time.sleep(0.1)  # let a dying process's failure report arrive
+        self._read_control()
+        parts = [f"{name} exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+                 for name, code in dead.items()]
+        message = "; ".join(self.failures + parts) or "an engine process failed"
+        self.shutdown()
+        raise error(f"{message}; the engine was shut down")
+
+    def check(self) -> None:
+        """Raise `EngineDeadError` if any engine process has died (stopping the rest first)."""
+        if self.closed:
+            raise EngineDeadError("the engine has been shut down")
+        self._read_control()
+        self._raise_if_dead(EngineDeadError)
+
+    def wait(self) -> None:
+        """Block until a process dies (raises `EngineDeadError`) or the caller is interrupted."""
+        while True:
+            self._read_control(timeout_ms=500)
+            self._raise_if_dead(EngineDeadError)
+
+    # ------------------------------------------------------------------ stop
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every process (SIGTERM, then SIGKILL after `timeout_s`) and remove the socket folder."""
+        if self.closed:
+            return
+        self.closed = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.control is not None:
+            self.control.close()
+        self.endpoints.cleanup()

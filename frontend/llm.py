@@ -1,0 +1,133 @@
+"""The offline API, with nano-vllm's call shape:
+
+    from deltaserve import LLM, SamplingParams
+    llm = LLM("path/to/model", max_model_len=4096)
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))
+    outputs[0]["text"], outputs[0]["token_ids"]
+
+`LLM` starts the same processes as `launch.py` and talks to them over the same sockets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from common.config import EngineConfig
+from common.protocol import GenerateRequest
+from common.sampling_params import SamplingParams
+from frontend.client import EngineClient
+from frontend.launcher import EngineProcesses
+
+log = logging.getLogger("deltaserve")
+
+
+class LLM:
+    """An engine (frontend, scheduler, workers) owned by this object.
+
+    `model`: a local Hugging Face folder. Keyword arguments are `EngineConfig` fields with vLLM's
+    names (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kvcache_blocks,
+    gpu_memory_utilization, enforce_eager, dtype, device, seed, tensor_parallel_size, ...).
+    Raises `ConfigError` for bad settings and `EngineStartError` if a process fails to start.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        if "tp" in kwargs:
+            kwargs["tensor_parallel_size"] = kwargs.pop("tp")
+        self.engine = EngineProcesses(EngineConfig(model=model, **kwargs))
+        self.config = self.engine.config
+        self.info = self.engine.start()
+        self.client = EngineClient(self.engine.endpoints.client, liveness=self.engine.check)
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.client)
+        atexit.register(self._finalizer)
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (loaded on first use, in this process)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Generate for every prompt (texts, or token-id lists); returns one dict per prompt, in order.
+
+        Each dict has `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or
+        "error"), `error` (why a request was rejected, else None), `num_prompt_tokens`,
+        `num_cached_tokens` and `metrics` (ttft_s, e2e_s). A rejected request (e.g. empty, or
+        longer than max_model_len) fails alone; the others run. Raises `TypeError` for prompts of
+        the wrong type and `EngineDeadError` if an engine process dies.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling parameters for {len(prompts)} prompts")
+        requests = []
+        for prompt, sp in zip(prompts, params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+            sp.validate()
+            req = GenerateRequest(self.client.new_request_id(), sampling=sp.to_dict(), stream=False)
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                req.prompt_token_ids = list(prompt)
+            else:
+                raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+            requests.append(req)
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[dict[str, Any] | None] = [None] * len(requests)
+        self.client.submit(requests)
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        done = 0
+        try:
+            while done < len(requests):
+                for out in self.client.recv_outputs():
+                    i = index.get(out.request_id)
+                    if i is None or not out.finished:
+                        continue
+                    if out.error:
+                        log.warning("prompt %d failed: %s", i, out.error)
+                    results[i] = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                  "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+                                  "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics}
+                    done += 1
+                    bar.update(1)
+        except BaseException:
+            if not self.engine.closed:
+                self.client.abort([r.request_id for r, res in zip(requests, results) if res is None])
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (also done at exit and when the object is collected)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _shutdown(engine: EngineProcesses, client: EngineClient) -> None:
+    client.close()
+    engine.shutdown()

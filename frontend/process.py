@@ -1,0 +1,318 @@
+"""The frontend process: the engine's door to clients.
+
+One loop: take client messages (ROUTER socket, one DEALER per client) -> validate and tokenize
+each request -> forward it to the scheduler; take the scheduler's per-step token ids ->
+detokenize incrementally -> send each client the news of its requests.
+
+Validation happens here, per request, before anything is queued: a bad request gets an error
+output naming the limit, and the others in the same message go ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from common import ipc
+from common.config import EngineConfig
+from common.proc import maybe_profile, run_process, setup_process
+from common.protocol import (
+    Abort,
+    AbortSeqs,
+    AddRequests,
+    EngineInfo,
+    EngineReady,
+    EngineRequest,
+    ErrorReply,
+    GenerateRequest,
+    GetEngineInfo,
+    Ping,
+    Pong,
+    ProcessReady,
+    ProtocolError,
+    RequestOutput,
+    RequestOutputs,
+    StepOutputs,
+    Submit,
+    decode,
+    encode,
+    i32,
+)
+from common.sampling_params import SamplingParams
+from frontend.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("deltaserve.frontend")
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if not getattr(tok, "is_fast", False):
+        raise RuntimeError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
+    return tok
+
+
+def encode_prompt(tokenizer: Any, req: GenerateRequest) -> list[int]:
+    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages`, or given ids.
+
+    Raises `ValueError` if not exactly one of the three is set or one is malformed.
+    """
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise ValueError(f"a request needs exactly one of prompt, prompt_token_ids, messages; got {given or 'none'}")
+    if req.prompt is not None:
+        return list(tokenizer(req.prompt)["input_ids"])
+    if req.prompt_token_ids is not None:
+        return list(req.prompt_token_ids)
+    messages = req.messages
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class RequestState:
+    client: bytes
+    request_id: str
+    seq_id: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    stream: bool = False
+    first_token_time: float = 0.0
+    num_cached_tokens: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+
+class FrontendProcess:
+    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.ctx = zmq.Context.instance()
+        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.from_scheduler = ipc.make_socket(self.ctx, zmq.PULL, endpoints.frontend_in, bind=True)
+        self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.scheduler_in, bind=False)
+        self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True)
+        self.client_address = endpoints.client
+        self.requests: dict[int, RequestState] = {}  # by seq_id
+        self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
+        self.next_seq_id = 0
+        eos = set(config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self.num_kv_blocks = 0
+        self.block_size = config.block_size
+        self.ready_info: dict[str, Any] = {}
+
+    def start(self) -> None:
+        msg = ipc.recv(self.from_scheduler)
+        if not isinstance(msg, EngineReady):
+            raise RuntimeError(f"expected EngineReady from the scheduler, got {type(msg).__name__}")
+        self.num_kv_blocks, self.block_size = msg.num_kv_blocks, msg.block_size
+        self.ready_info = dict(msg.info)
+        ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
+
+    def engine_info_dict(self) -> dict[str, Any]:
+        return {"model": self.config.model, "max_model_len": self.config.max_model_len,
+                "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                "vocab_size": self.config.vocab_size, **self.ready_info}
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.from_scheduler, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(1000))
+            if self.from_scheduler in events:
+                for raw in ipc.recv_all(self.from_scheduler):
+                    self._handle_scheduler(raw)
+            if self.clients in events:
+                while True:
+                    try:
+                        client, raw = self.clients.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:  # not two frames: nothing to answer to
+                        continue
+                    self._handle_client(client, raw)
+
+    def _reply(self, client: bytes, msg: object) -> None:
+        self.clients.send_multipart([client, encode(msg)])
+
+    def _handle_client(self, client: bytes, raw: bytes) -> None:
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.warning("malformed message from a client: %s", exc)
+            self._reply(client, ErrorReply(f"malformed message: {exc}"))
+            return
+        if isinstance(msg, Submit):
+            self._submit(client, msg)
+        elif isinstance(msg, Abort):
+            seq_ids = [self.by_client[(client, rid)] for rid in msg.request_ids if (client, rid) in self.by_client]
+            if seq_ids:
+                ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
+        elif isinstance(msg, GetEngineInfo):
+            info = self.engine_info_dict()
+            self._reply(client, EngineInfo(info.pop("model"), info.pop("max_model_len"), info.pop("num_kv_blocks"),
+                                           info.pop("block_size"), info.pop("vocab_size"), info))
+        elif isinstance(msg, Ping):
+            self._reply(client, Pong(msg.nonce))
+        else:
+            self._reply(client, ErrorReply(f"a client cannot send {type(msg).__name__}"))
+
+    def _submit(self, client: bytes, msg: Submit) -> None:
+        accepted: list[EngineRequest] = []
+        rejected: list[RequestOutput] = []
+        for req in msg.requests:
+            try:
+                engine_req, state = self._validate(client, req)
+            except ValueError as exc:
+                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=str(exc)))
+                continue
+            self.requests[state.seq_id] = state
+            self.by_client[(client, req.request_id)] = state.seq_id
+            accepted.append(engine_req)
+        if accepted:
+            ipc.send(self.to_scheduler, AddRequests(accepted))
+        if rejected:
+            self._reply(client, RequestOutputs(rejected))
+
+    def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
+        """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
+        if (client, req.request_id) in self.by_client:
+            raise ValueError(f"request id {req.request_id!r} is already in use by a live request")
+        params = SamplingParams.from_dict(req.sampling)
+        ids = encode_prompt(self.tokenizer, req)
+        n = len(ids)
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one prompt token is needed")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be integers")
+        arr = np.asarray(ids, dtype=np.int64)
+        vocab = self.config.vocab_size
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {arr.min()}, max {arr.max()}")
+        if n >= max_len:
+            raise ValueError(f"the prompt has {n} tokens but max_model_len is {max_len}: "
+                             "a prompt must be shorter than max_model_len to leave room for output")
+        blocks = -(-n // self.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(f"the prompt has {n} tokens and needs {blocks} KV-cache blocks of {self.block_size} "
+                             f"tokens, but the whole cache has only {self.num_kv_blocks} blocks")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        seq_id = self.next_seq_id
+        self.next_seq_id += 1
+        now = time.time()
+        engine_req = EngineRequest(seq_id, i32(arr), float(params.temperature), params.max_tokens, params.seed,
+                                   sorted(stop_ids), now)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return engine_req, RequestState(client, req.request_id, seq_id, params, n, detok, now, stream=req.stream)
+
+    # ------------------------------------------------------------------ scheduler outputs
+    def _handle_scheduler(self, raw: bytes) -> None:
+        msg = decode(raw)
+        if not isinstance(msg, StepOutputs):
+            log.error("unexpected %s from the scheduler", type(msg).__name__)
+            return
+        now = time.time()
+        touched: dict[int, RequestState] = {}
+        requests = self.requests
+        for seq_id, token in zip(msg.seq_ids.tolist(), msg.token_ids.tolist()):
+            st = requests.get(seq_id)
+            if st is None:
+                continue
+            if not st.first_token_time:
+                st.first_token_time = now
+            piece = st.detokenizer.step(token)
+            if st.stream:
+                st.new_token_ids.append(token)
+                st.new_text += piece
+                touched[seq_id] = st
+        for seq_id, cached in msg.num_cached_tokens.items():
+            if seq_id in requests:
+                requests[seq_id].num_cached_tokens = cached
+        per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for fin in msg.finished:
+            st = requests.pop(fin.seq_id, None)
+            if st is None:
+                continue
+            touched.pop(fin.seq_id, None)
+            self.by_client.pop((st.client, st.request_id), None)
+            tail = st.detokenizer.flush()
+            if st.stream:
+                st.new_text += tail
+            if fin.reason == "error":
+                log.warning("request %s failed: %s", st.request_id, fin.error)
+            out = self._output(st, now, finished=True)
+            out.finish_reason, out.error = fin.reason, fin.error
+            out.num_cached_tokens = fin.num_cached_tokens
+            per_client[st.client].append(out)
+        for st in touched.values():
+            if st.stream:
+                per_client[st.client].append(self._output(st, now, finished=False))
+        for client, outputs in per_client.items():
+            self._reply(client, RequestOutputs(outputs))
+
+    def _output(self, st: RequestState, now: float, finished: bool) -> RequestOutput:
+        """News of one request: the delta when streaming, the whole output when finished otherwise."""
+        if st.stream:
+            text, ids = st.new_text, st.new_token_ids
+            st.new_text, st.new_token_ids = "", []
+        else:
+            text, ids = st.detokenizer.text, st.detokenizer.token_ids
+        out = RequestOutput(st.request_id, text, ids, finished, None, None, st.num_prompt_tokens, st.num_cached_tokens)
+        if finished:
+            out.metrics = {"ttft_s": (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0,
+                           "e2e_s": now - st.arrival_time}
+        return out
+
+    def close(self) -> None:
+        for sock in (self.control, self.from_scheduler, self.to_scheduler, self.clients):
+            sock.close()
+        if self.client_address.startswith("ipc://"):
+            path = self.client_address[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="deltaserve frontend process (started by launch.py)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config)
+    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
+    setup_process("frontend", config.log_level, args.parent_pid)
+
+    def body() -> None:
+        proc = FrontendProcess(config, endpoints)
+        try:
+            with maybe_profile(config.profile_dir, f"frontend-{os.getpid()}"):
+                proc.start()
+                proc.serve()
+        finally:
+            proc.close()
+
+    run_process("frontend", endpoints.control, body)

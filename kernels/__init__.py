@@ -1,0 +1,11 @@
+"""Triton kernels of the GPU worker: the KV cache store and paged attention (prefill, decode).
+
+The paged KV cache layout is FlashAttention's: `[num_blocks, block_size, num_kv_heads, head_dim]`
+per layer for keys and for values; see `kernels/paged_attention.py`.
+"""
+
+from kernels.kv_store import store_kvcache
+from kernels.paged_decode import choose_num_splits, paged_attention_decode
+from kernels.paged_prefill import paged_attention_prefill
+
+__all__ = ["choose_num_splits", "paged_attention_decode", "paged_attention_prefill", "store_kvcache"]

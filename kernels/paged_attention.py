@@ -1,0 +1,141 @@
+"""What paged prefill and paged decode share: the cache layout, argument checks, one tile step.
+
+Cache layout (FlashAttention's paged layout): `k_cache` and `v_cache` are `[num_blocks,
+block_size, num_kv_heads, head_dim]`, contiguous. Token position `p` of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. A KV tile of `BLOCK_N` consecutive
+positions is gathered slot by slot, so a tile may span several cache blocks and any block size
+works (including 1 and non-powers of two).
+
+Both kernels run the FlashAttention-2 online softmax (Dao, "FlashAttention-2: Faster Attention
+with Better Parallelism and Work Partitioning", 2023, Algorithm 1) in base 2: scores are
+multiplied by `softmax_scale * log2(e)` so that `exp2` replaces `exp`.
+
+Grouped-query attention: one program owns one KV head and all `num_q_heads // num_kv_heads`
+query heads that read it, so every KV tile is loaded once per group. Query rows are padded to at
+least 16 so that `tl.dot` can use tensor cores.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)
+MIN_DOT_ROWS = 16
+
+
+@triton.jit
+def attend_kv_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    tile_start,
+    kv_end,
+    block_table_row_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head_offset,
+    stride_slot,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the KV positions `tile_start .. tile_start + BLOCK_N - 1`.
+
+    `q` is `[BLOCK_M, BLOCK_D]`, `q_pos` `[BLOCK_M]` the position of each query row; `acc`
+    (`[BLOCK_M, BLOCK_D]` fp32), `m_i` (running max, base 2) and `l_i` (running sum) are the
+    FlashAttention-2 state. With `MASKED`, key `p` is used by row `r` only if `p <= q_pos[r]`,
+    and neither the block table nor the cache is read at positions `>= kv_end` (which must
+    exceed every `q_pos`); without it, every position of the tile must be visible to every row.
+    """
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    if MASKED:
+        in_range = positions < kv_end
+        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    offsets = slots[:, None] * stride_slot + kv_head_offset + dims[None, :]
+    if MASKED:
+        kv_mask = in_range[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(k_cache_ptr + offsets)
+        v = tl.load(v_cache_ptr + offsets)
+    else:
+        kv_mask = (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        scores = tl.where(positions[None, :] <= q_pos[:, None], scores, float("-inf"))
+    # Every row has seen at least one finite score by now (tiles run in increasing order from a
+    # position every row may see), so m_new is finite and alpha never computes inf - inf.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (no TF32 rounding); bf16/fp16 ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Validate shapes and dtypes shared by prefill and decode; return `out` (allocated if None).
+
+    Raises:
+        ValueError: on any mismatch. Only shapes, strides and dtypes are inspected, never tensor
+            values, so the check costs no device-to-host sync.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal "
+                         "[num_blocks, block_size, num_kv_heads, head_dim] shapes")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} differs from q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have stride 1 in its last dimension")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [num_seqs, max_blocks_per_seq], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must have stride 1 in its last dimension")
+    if seq_lens.shape != (block_tables.shape[0],) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{block_tables.shape[0]}], got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with last-dimension stride 1, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out

@@ -1,0 +1,1 @@
+"""The scheduler process: scheduling policy, KV-cache block manager, and its message loop."""

@@ -1,0 +1,3 @@
+from scheduler_proc.process import main
+
+main()

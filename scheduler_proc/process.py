@@ -1,0 +1,224 @@
+"""The scheduler process: one loop that turns requests and step results into step plans.
+
+Start-up: wait for every worker's `WorkerReady`, size the KV cache to the smallest rank's
+capacity, send `InitKVCache`, wait for `KVCacheReady`, then tell the frontend `EngineReady`.
+
+Loop (policy lives in `scheduler.py`, this file only moves messages):
+1. take the frontend's `AddRequests` / `AbortSeqs`;
+2. take the workers' `StepResult`s, turn them into `StepOutputs` for the frontend;
+3. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
+   rank. A line of timing per step goes to the log at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import zmq
+
+from common import ipc
+from common.config import EngineConfig
+from common.proc import maybe_profile, run_process, setup_process
+from common.protocol import (
+    AbortSeqs,
+    AddRequests,
+    EngineReady,
+    FinishedSeq,
+    InitKVCache,
+    KVCacheReady,
+    ProcessFailed,
+    ProcessReady,
+    ProtocolError,
+    Shutdown,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+    decode,
+    encode,
+)
+from scheduler_proc.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("deltaserve.scheduler")
+
+
+class SchedulerProcess:
+    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.ctx = zmq.Context.instance()
+        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.from_frontend = ipc.make_socket(self.ctx, zmq.PULL, endpoints.scheduler_in, bind=True)
+        self.from_workers = ipc.make_socket(self.ctx, zmq.PULL, endpoints.worker_out, bind=True)
+        self.to_workers = [ipc.make_socket(self.ctx, zmq.PUSH, a, bind=True) for a in endpoints.plans]
+        self.to_frontend = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
+        self.scheduler: Scheduler | None = None
+        self.step_started: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        tp = self.config.tensor_parallel_size
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < tp:
+            msg = self._recv_worker()
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+        num_blocks = min(r.max_num_kv_blocks for r in ready.values())
+        if num_blocks <= 0:
+            raise RuntimeError(
+                "no memory is left for the KV cache after loading the model "
+                f"(ranks report {[r.max_num_kv_blocks for r in ready.values()]} blocks); "
+                "raise --gpu-memory-utilization or set --num-kvcache-blocks")
+        for sock in self.to_workers:
+            ipc.send(sock, InitKVCache(num_blocks))
+        done: set[int] = set()
+        while len(done) < tp:
+            msg = self._recv_worker()
+            if isinstance(msg, KVCacheReady):
+                done.add(msg.rank)
+        cfg = self.config
+        assert cfg.max_model_len is not None
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_kv_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            vocab_size=cfg.vocab_size,
+        ))
+        warning = ""
+        capacity = num_blocks * cfg.block_size
+        if capacity < cfg.max_model_len:
+            warning = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len "
+                       f"{cfg.max_model_len}: longer requests stop with finish reason 'length'")
+            log.warning(warning)
+        info = {"kv_bytes_per_block": ready[0].kv_bytes_per_block, "devices": [ready[r].device for r in sorted(ready)],
+                "warning": warning}
+        ipc.send(self.to_frontend, EngineReady(num_blocks, cfg.block_size, info))
+        ipc.send(self.control, ProcessReady("scheduler", {"num_kv_blocks": num_blocks}))
+        log.info("scheduler ready: %d KV blocks of %d tokens", num_blocks, cfg.block_size)
+
+    def _recv_worker(self) -> object:
+        msg = ipc.recv(self.from_workers)
+        if isinstance(msg, ProcessFailed):
+            raise RuntimeError(f"{msg.name} failed: {msg.error}")
+        return msg
+
+    # ------------------------------------------------------------------ serving
+    def serve(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        poller = zmq.Poller()
+        poller.register(self.from_frontend, zmq.POLLIN)
+        poller.register(self.from_workers, zmq.POLLIN)
+        while True:
+            busy = sched.can_schedule() and (sched.waiting or sched.running or sched.finished_for_workers)
+            events = dict(poller.poll(0 if busy else 1000))
+            if self.from_frontend in events:
+                for raw in ipc.recv_all(self.from_frontend):
+                    if self._handle_frontend(raw):
+                        return
+            if self.from_workers in events:
+                for raw in ipc.recv_all(self.from_workers):
+                    self._handle_worker(raw)
+            while sched.can_schedule():
+                t0 = time.perf_counter()
+                plan = sched.schedule()
+                if plan is None:
+                    break
+                self._send_plan(plan, t0)
+
+    def _handle_frontend(self, raw: bytes) -> bool:
+        """Apply one frontend message; return True on shutdown."""
+        sched = self.scheduler
+        assert sched is not None
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.error("dropped a malformed message from the frontend: %s", exc)
+            return False
+        if isinstance(msg, AddRequests):
+            errors: list[FinishedSeq] = []
+            for req in msg.requests:
+                error = sched.add_request(req)
+                if error is not None:
+                    errors.append(error)
+            if errors:
+                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=errors))
+        elif isinstance(msg, AbortSeqs):
+            finished = sched.abort(msg.seq_ids)
+            if finished:
+                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
+        elif isinstance(msg, Shutdown):
+            for sock in self.to_workers:
+                ipc.send(sock, Shutdown("scheduler stopped"))
+            return True
+        else:
+            log.error("unexpected %s from the frontend", type(msg).__name__)
+        return False
+
+    def _handle_worker(self, raw: bytes) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        msg = decode(raw)  # workers are ours: a malformed message is a fatal bug
+        if isinstance(msg, ProcessFailed):
+            raise RuntimeError(f"{msg.name} failed: {msg.error}")
+        if not isinstance(msg, StepResult):
+            log.error("unexpected %s from a worker", type(msg).__name__)
+            return
+        t0 = time.perf_counter()
+        outputs = sched.process_result(msg)
+        ipc.send(self.to_frontend, outputs)
+        if log.isEnabledFor(logging.DEBUG):
+            started = self.step_started.pop(msg.step_id, t0)
+            worker = " ".join(f"{k} {v:.2f}" for k, v in msg.timings.items())
+            log.debug("step %d done: %d tokens out, %d finished, round trip %.2f ms, result %.3f ms | worker ms: %s",
+                      msg.step_id, len(outputs.token_ids), len(outputs.finished), (t0 - started) * 1e3,
+                      (time.perf_counter() - t0) * 1e3, worker)
+
+    def _send_plan(self, plan: StepPlan, t0: float) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        data = encode(plan)
+        t1 = time.perf_counter()
+        for sock in self.to_workers:
+            sock.send(data, copy=False)
+        if log.isEnabledFor(logging.DEBUG):
+            self.step_started[plan.step_id] = t1
+            log.debug("step %d planned: %d new, %d resumed, %d prefill chunks, %d decodes, %d preempted, "
+                      "%d finished | schedule %.3f ms, plan %d bytes | waiting %d running %d free blocks %d",
+                      plan.step_id, len(plan.new_requests), len(plan.resumed_requests), len(plan.prefill_seq_ids),
+                      len(plan.decode_seq_ids), len(plan.preempted_seq_ids), len(plan.finished_seq_ids),
+                      (t1 - t0) * 1e3, len(data), len(sched.waiting), len(sched.running),
+                      sched.block_manager.num_free_blocks)
+
+    def close(self) -> None:
+        for sock in [self.control, self.from_frontend, self.from_workers, self.to_frontend, *self.to_workers]:
+            sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="deltaserve scheduler process (started by launch.py)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config)
+    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
+    setup_process("scheduler", config.log_level, args.parent_pid)
+
+    def body() -> None:
+        proc = SchedulerProcess(config, endpoints)
+        try:
+            with maybe_profile(config.profile_dir, f"scheduler-{os.getpid()}"):
+                proc.start()
+                proc.serve()
+        finally:
+            proc.close()
+
+    run_process("scheduler", endpoints.control, body)

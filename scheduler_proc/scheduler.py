@@ -1,0 +1,314 @@
+"""Scheduling policy: which requests run in the next step, and for how many tokens.
+
+Continuing batching with a token budget, in the style of vLLM's v1 scheduler:
+- Every step has `max_num_batched_tokens` tokens to hand out. Running requests come first,
+  oldest first: a decode takes 1 token, an unfinished prompt takes a chunk (chunked prefill,
+  for any request). Then waiting requests are admitted in arrival order while the budget,
+  `max_num_seqs` and free blocks allow. Prefill chunks and decodes share a step.
+- When a running request needs a block and none is free, the newest running request is
+  preempted (its blocks freed, recomputed later). The oldest request is never preempted for
+  a newer one, so it always progresses; a step that preempts admits nobody (no thrashing).
+- Steps are pipelined: step N+1 is planned while the workers compute step N. A request's
+  token sampled in step N is "pending" until its result arrives; the workers feed it as the
+  input of step N+1 themselves. At most `max_steps_in_flight` steps are outstanding.
+- Limits: a prompt must be shorter than `max_model_len` and fit in the whole KV cache; output
+  stops at `max_tokens`, at `max_model_len` total tokens, or when the whole cache cannot hold
+  the request's next token (all three finish with reason "length").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from common.protocol import (
+    EngineRequest,
+    FinishedSeq,
+    NewBlocks,
+    NewRequest,
+    ResumedRequest,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+    i32,
+)
+from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int  # tokens per block
+    max_model_len: int  # tokens, prompt + output
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    max_steps_in_flight: int = 2
+    vocab_size: int = 0  # 0: do not check token ids (the frontend already did)
+
+
+@dataclass
+class InFlightStep:
+    step_id: int
+    sampling_seqs: list[Sequence]  # rows that sample, in row order
+    num_scheduled_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.seqs: dict[int, Sequence] = {}
+        self.in_flight: deque[InFlightStep] = deque()
+        self.next_step_id = 0
+        self.finished_for_workers: list[int] = []  # ended since the last plan; workers still hold them
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: EngineRequest) -> FinishedSeq | None:
+        """Queue a request, or return its error if it can never run (nothing is queued then)."""
+        error = self.check_request(req)
+        if error is not None:
+            return FinishedSeq(req.seq_id, "error", 0, error)
+        seq = Sequence(req)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return None
+
+    def check_request(self, req: EngineRequest) -> str | None:
+        """Why `req` can never run, or None. Limits are named in the message."""
+        cfg = self.config
+        n = len(req.prompt_token_ids)
+        if req.seq_id in self.seqs:
+            return f"duplicate sequence id {req.seq_id}"
+        if n == 0:
+            return "the prompt is empty: at least one prompt token is needed"
+        if n >= cfg.max_model_len:
+            return (f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
+                    f"a prompt must be shorter than max_model_len to leave room for output")
+        needed = self.block_manager.blocks_needed(n)
+        if needed > cfg.num_kv_blocks:
+            return (f"the prompt has {n} tokens and needs {needed} KV-cache blocks of {cfg.block_size} "
+                    f"tokens, but the whole cache has only {cfg.num_kv_blocks} blocks")
+        ids = req.prompt_token_ids
+        if cfg.vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            return f"prompt token ids must be in [0, {cfg.vocab_size})"
+        if req.max_tokens < 1 or req.temperature < 0:
+            return "max_tokens must be >= 1 and temperature >= 0"
+        return None
+
+    def abort(self, seq_ids: list[int]) -> list[FinishedSeq]:
+        """End these requests (unknown or already finished ids are ignored)."""
+        finished: list[FinishedSeq] = []
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                self._finish(seq, "abort", finished)
+        return finished
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.seqs)
+
+    def can_schedule(self) -> bool:
+        return len(self.in_flight) < self.config.max_steps_in_flight
+
+    def _wants_tokens(self, seq: Sequence) -> bool:
+        """Whether computing more of `seq` is useful: it may still sample another token."""
+        return seq.num_output_tokens < seq.max_tokens and seq.num_tokens < self.config.max_model_len
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or return None when there is nothing to run or tell the workers."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        new_requests: list[NewRequest] = []
+        resumed: list[ResumedRequest] = []
+        prefill_seqs: list[Sequence] = []
+        prefill_num_tokens: list[int] = []
+        decode_seqs: list[Sequence] = []
+        new_blocks: list[NewBlocks] = []
+        preempted_ids: list[int] = []
+        sampling: tuple[list[Sequence], ...] = ([], [], [], [])  # new, resumed, prefill, decode rows
+        num_scheduled = 0
+
+        # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            if not self._wants_tokens(seq):
+                i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = bm.num_new_blocks(seq, seq.num_computed_tokens + n)
+            while need > bm.num_free_blocks and running[-1] is not seq:
+                preempted_ids.append(self._preempt(running[-1]))
+            if need > bm.num_free_blocks:  # `seq` is now the newest running request
+                if i == 0:
+                    # Alone, and the whole cache cannot hold its next token: stop it there.
+                    seq.max_tokens = seq.num_output_tokens
+                    if seq.num_pending_tokens == 0:
+                        self._finish(seq, "length", [])
+                    else:
+                        i += 1
+                else:
+                    preempted_ids.append(self._preempt(seq))
+                continue
+            if need:
+                new_blocks.append(NewBlocks(seq.seq_id, i32(bm.append_blocks(seq, need))))
+            samples = self._advance(seq, n)
+            if n == 1:
+                decode_seqs.append(seq)
+                if samples:
+                    sampling[3].append(seq)
+            else:
+                prefill_seqs.append(seq)
+                prefill_num_tokens.append(n)
+                if samples:
+                    sampling[2].append(seq)
+            budget -= n
+            num_scheduled += n
+            i += 1
+
+        # 2. Waiting requests in arrival order (preempted ones were put back at the front).
+        if not preempted_ids:
+            bs = self.config.block_size
+            while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if seq.num_pending_tokens:
+                    break  # preempted while a step was in flight: wait for that token first
+                cached = bm.find_cached_prefix(seq)
+                num_computed = len(cached) * bs
+                n = min(seq.num_tokens - num_computed, budget)
+                if not bm.can_allocate(cached, num_computed + n):
+                    break
+                self.waiting.popleft()
+                bm.allocate(seq, cached, num_computed + n)
+                seq.num_computed_tokens = num_computed
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = num_computed
+                seq.status = SeqStatus.RUNNING
+                running.append(seq)
+                samples = self._advance(seq, n)
+                if not seq.known_to_workers:
+                    seq.known_to_workers = True
+                    new_requests.append(NewRequest(
+                        seq.seq_id, i32(seq.token_ids), seq.temperature, seq.seed, i32(seq.block_table),
+                        num_computed, n))
+                    if samples:
+                        sampling[0].append(seq)
+                else:
+                    resumed.append(ResumedRequest(seq.seq_id, i32(seq.block_table), num_computed, n))
+                    if samples:
+                        sampling[1].append(seq)
+                budget -= n
+                num_scheduled += n
+
+        if num_scheduled == 0 and not self.finished_for_workers and not preempted_ids:
+            return None
+        plan = StepPlan(
+            step_id=self.next_step_id if num_scheduled else -1,
+            new_requests=new_requests,
+            resumed_requests=resumed,
+            prefill_seq_ids=i32([s.seq_id for s in prefill_seqs]),
+            prefill_num_tokens=i32(prefill_num_tokens),
+            decode_seq_ids=i32([s.seq_id for s in decode_seqs]),
+            new_blocks=new_blocks,
+            finished_seq_ids=i32(self.finished_for_workers),
+            preempted_seq_ids=i32(preempted_ids),
+        )
+        self.finished_for_workers = []
+        if num_scheduled:
+            sampling_seqs = [s for rows in sampling for s in rows]
+            self.in_flight.append(InFlightStep(self.next_step_id, sampling_seqs, num_scheduled))
+            self.next_step_id += 1
+        return plan
+
+    def _advance(self, seq: Sequence, n: int) -> bool:
+        """Account `n` scheduled tokens of `seq`; return whether its row samples a token."""
+        seq.num_computed_tokens += n
+        samples = seq.num_computed_tokens == seq.num_tokens
+        if samples:
+            seq.num_pending_tokens += 1
+        if min(seq.num_computed_tokens, len(seq.token_ids)) // self.config.block_size > seq.num_hashed_blocks:
+            self.block_manager.cache_full_blocks(seq)
+        return samples
+
+    def _preempt(self, seq: Sequence) -> int:
+        """Free `seq`'s blocks and put it at the front of the waiting queue (recompute later)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq.seq_id
+
+    def _finish(self, seq: Sequence, reason: str, finished: list[FinishedSeq], error: str | None = None) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.block_manager.free(seq)
+        if seq.known_to_workers:
+            self.finished_for_workers.append(seq.seq_id)
+        del self.seqs[seq.seq_id]
+        finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error))
+
+    # ------------------------------------------------------------------ results
+    def process_result(self, result: StepResult) -> StepOutputs:
+        """Apply the tokens sampled in the oldest in-flight step; finish requests that stop.
+
+        Raises `RuntimeError` if the result does not match the step it claims to answer.
+        """
+        if not self.in_flight or self.in_flight[0].step_id != result.step_id:
+            expected = self.in_flight[0].step_id if self.in_flight else None
+            raise RuntimeError(f"step result {result.step_id} arrived, expected {expected}")
+        step = self.in_flight.popleft()
+        tokens = result.sampled_token_ids.tolist()
+        if len(tokens) != len(step.sampling_seqs):
+            raise RuntimeError(f"step {step.step_id}: {len(tokens)} tokens for {len(step.sampling_seqs)} sampling rows")
+        out_ids: list[int] = []
+        out_tokens: list[int] = []
+        finished: list[FinishedSeq] = []
+        cached: dict[int, int] = {}
+        max_model_len = self.config.max_model_len
+        bs = self.config.block_size
+        for seq, token in zip(step.sampling_seqs, tokens):
+            seq.num_pending_tokens -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue  # it stopped in an earlier step; this token was computed speculatively
+            seq.token_ids.append(token)
+            out_ids.append(seq.seq_id)
+            out_tokens.append(token)
+            if not seq.first_token_sent:
+                seq.first_token_sent = True
+                cached[seq.seq_id] = seq.num_cached_tokens
+            num_tokens = len(seq.token_ids)
+            if token in seq.stop_token_ids:
+                self._finish(seq, "stop", finished)
+            elif num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= max_model_len:
+                self._finish(seq, "length", finished)
+            elif min(seq.num_computed_tokens, num_tokens) // bs > seq.num_hashed_blocks:
+                self.block_manager.cache_full_blocks(seq)
+        return StepOutputs(result.step_id, i32(out_ids), i32(out_tokens), finished, cached)
+
+    def check_invariants(self) -> None:
+        """Block accounting invariants plus the scheduler's own (tests call this every step)."""
+        live = list(self.seqs.values())
+        self.block_manager.check_invariants(live)
+        for seq in live:
+            if seq.status is SeqStatus.WAITING:
+                assert not seq.block_table and seq.num_computed_tokens == 0, seq
+            else:
+                assert seq.num_computed_tokens <= seq.num_tokens, seq
+                assert len(seq.block_table) == self.block_manager.blocks_needed(seq.num_computed_tokens), seq
+        if not live:
+            assert self.block_manager.num_free_blocks == self.block_manager.num_blocks

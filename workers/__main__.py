@@ -1,0 +1,3 @@
+from workers.process import main
+
+main()

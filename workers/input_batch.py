@@ -1,0 +1,195 @@
+"""The worker's persistent per-request state, and step inputs built from it without per-token loops.
+
+Each live request owns a row of fixed-size host arrays (its token ids and its block table)
+from its first plan until it is finished or preempted. Rows are handed out lowest-free-first in
+plan order, so every tensor-parallel rank assigns the same rows. A step plan (deltas only) is
+applied to this state with `apply`; `prepare` then computes positions, slot mapping, block
+tables and sampling indices with numpy over the scheduled rows.
+
+Token ids known to a worker: the prompt plus every token it sampled. A token sampled in the
+previous step may still be on its way to the host (`num_tokens_cpu < num_tokens`); such a token
+is fed to the next step straight from the device (`StepInputs.gpu_token_index`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.protocol import StepPlan
+
+
+class ReqState:
+    """One request on a worker."""
+
+    __slots__ = ("seq_id", "row", "tokens", "num_tokens", "num_tokens_cpu", "num_computed", "num_blocks",
+                 "temperature", "seed", "active")
+
+    def __init__(self, seq_id: int, temperature: float, seed: int | None) -> None:
+        self.seq_id = seq_id
+        self.row: int | None = None
+        self.tokens = np.zeros(0, dtype=np.int32)  # its row of InputBatch.token_ids, or a private copy while preempted
+        self.num_tokens = 0  # prompt + sampled, including a token still being copied to the host
+        self.num_tokens_cpu = 0  # leading entries of `tokens` that hold real ids
+        self.num_computed = 0  # tokens whose KV is written (or being written by a launched step)
+        self.num_blocks = 0
+        self.temperature = temperature
+        self.seed = seed
+        self.active = True  # False once finished: a late sampled token is dropped
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one step. B sequences, T tokens, S sampling rows."""
+
+    input_ids: np.ndarray  # [T] int64; 0 where the id comes from the device (gpu_token_index)
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32
+    rows: np.ndarray  # [B] int64, each sequence's row
+    num_blocks_used: int  # widest block table in the step, in blocks
+    gpu_token_index: np.ndarray  # [g] int64 token indices whose id is the row's last sampled token
+    gpu_token_rows: np.ndarray  # [g] int64 the rows holding those tokens
+    logits_indices: np.ndarray  # [S] int64, last token of each sampling sequence
+    sampling_rows: np.ndarray  # [S] int64
+    sampling_states: list[ReqState]
+    temperatures: np.ndarray  # [S] float32
+    seeded_rows: list[tuple[int, int, int]]  # (index among sampling rows, seed, position of the new token)
+    max_query_len: int
+    max_seq_len: int
+    is_decode: bool
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.reqs: dict[int, ReqState] = {}
+        self._free_rows = list(range(max_num_seqs))  # a heap: lowest row first
+
+    # ------------------------------------------------------------------ plan deltas
+    def _take_row(self, st: ReqState) -> None:
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests are live on this worker")
+        st.row = heapq.heappop(self._free_rows)
+
+    def _release_row(self, st: ReqState) -> None:
+        if st.row is not None:
+            heapq.heappush(self._free_rows, st.row)
+            st.row = None
+        st.num_blocks = 0
+
+    def _set_blocks(self, st: ReqState, block_ids: np.ndarray) -> None:
+        assert st.row is not None
+        self.block_table[st.row, : len(block_ids)] = block_ids
+        st.num_blocks = len(block_ids)
+
+    def apply(self, plan: StepPlan) -> list[tuple[ReqState, int]]:
+        """Apply a plan's deltas; return the step's (request, scheduled tokens) rows in row order.
+
+        Raises `KeyError` if the plan names a request this worker does not hold (a protocol bug).
+        """
+        for seq_id in plan.finished_seq_ids.tolist():
+            st = self.reqs.pop(seq_id, None)
+            if st is not None:
+                st.active = False
+                self._release_row(st)
+        for seq_id in plan.preempted_seq_ids.tolist():
+            st = self.reqs[seq_id]
+            st.tokens = st.tokens[: st.num_tokens].copy()  # keep its tokens (a late one lands here too)
+            self._release_row(st)
+            st.num_computed = 0
+        scheduled: list[tuple[ReqState, int]] = []
+        for req in plan.new_requests:
+            st = ReqState(req.seq_id, req.temperature, req.seed)
+            self._take_row(st)
+            n = len(req.prompt_token_ids)
+            st.tokens = self.token_ids[st.row]
+            st.tokens[:n] = req.prompt_token_ids
+            st.num_tokens = st.num_tokens_cpu = n
+            st.num_computed = req.num_computed_tokens
+            self._set_blocks(st, req.block_ids)
+            self.reqs[req.seq_id] = st
+            scheduled.append((st, req.num_scheduled_tokens))
+        for req in plan.resumed_requests:
+            st = self.reqs[req.seq_id]
+            assert st.num_tokens == st.num_tokens_cpu, "resumed before its last token reached the host"
+            self._take_row(st)
+            row_tokens = self.token_ids[st.row]
+            row_tokens[: st.num_tokens] = st.tokens[: st.num_tokens]
+            st.tokens = row_tokens
+            st.num_computed = req.num_computed_tokens
+            self._set_blocks(st, req.block_ids)
+            scheduled.append((st, req.num_scheduled_tokens))
+        for nb in plan.new_blocks:
+            st = self.reqs[nb.seq_id]
+            k = len(nb.block_ids)
+            self.block_table[st.row, st.num_blocks: st.num_blocks + k] = nb.block_ids
+            st.num_blocks += k
+        reqs = self.reqs
+        for seq_id, n in zip(plan.prefill_seq_ids.tolist(), plan.prefill_num_tokens.tolist()):
+            scheduled.append((reqs[seq_id], n))
+        for seq_id in plan.decode_seq_ids.tolist():
+            scheduled.append((reqs[seq_id], 1))
+        return scheduled
+
+    # ------------------------------------------------------------------ step inputs
+    def prepare(self, scheduled: list[tuple[ReqState, int]]) -> StepInputs:
+        """Build the step's host inputs and advance the requests' counters as if it ran."""
+        b = len(scheduled)
+        rows = np.fromiter((st.row for st, _ in scheduled), np.int64, b)
+        num_new = np.fromiter((n for _, n in scheduled), np.int64, b)
+        start = np.fromiter((st.num_computed for st, _ in scheduled), np.int64, b)
+        on_host = np.fromiter((st.num_tokens_cpu for st, _ in scheduled), np.int64, b)
+        known = np.fromiter((st.num_tokens for st, _ in scheduled), np.int64, b)
+        query_start_loc = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        seq_index = np.repeat(np.arange(b), num_new)  # [T] which sequence each token belongs to
+        positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - query_start_loc[seq_index] + start[seq_index]
+        token_rows = rows[seq_index]
+        from_device = positions >= on_host[seq_index]
+        input_ids = self.token_ids[token_rows, positions].astype(np.int64)
+        input_ids[from_device] = 0
+        bs = self.block_size
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (start + num_new).astype(np.int32)
+        samples = seq_lens == known
+        sampling_states = [st for (st, _), s in zip(scheduled, samples.tolist()) if s]
+        seeded = [(i, st.seed, st.num_tokens) for i, st in enumerate(sampling_states) if st.seed is not None]
+        temperatures = np.fromiter((st.temperature for st in sampling_states), np.float32, len(sampling_states))
+        for st, n in scheduled:
+            st.num_computed += n
+        for st in sampling_states:
+            st.num_tokens += 1
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            rows=rows,
+            num_blocks_used=int(-(-int(seq_lens.max()) // bs)) if b else 0,
+            gpu_token_index=np.flatnonzero(from_device),
+            gpu_token_rows=token_rows[from_device],
+            logits_indices=(query_start_loc[1:][samples] - 1).astype(np.int64),
+            sampling_rows=rows[samples],
+            sampling_states=sampling_states,
+            temperatures=temperatures,
+            seeded_rows=seeded,
+            max_query_len=int(num_new.max()) if b else 0,
+            max_seq_len=int(seq_lens.max()) if b else 0,
+            is_decode=bool(b) and bool((num_new == 1).all()),
+        )
+
+    @staticmethod
+    def append_sampled(states: list[ReqState], tokens: np.ndarray) -> None:
+        """Record tokens that reached the host, in the order the step sampled them."""
+        for st, token in zip(states, tokens.tolist()):
+            if st.active:
+                st.tokens[st.num_tokens_cpu] = token
+                st.num_tokens_cpu += 1

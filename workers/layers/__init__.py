@@ -1,0 +1,1 @@
+"""Model building blocks, one file per layer family."""

@@ -1,0 +1,35 @@
+"""The attention layer: the model-facing side of the paged KV cache.
+
+It reshapes q/k/v into heads and hands them, with this layer's slice of the KV cache and the
+step's `AttentionMetadata`, to the worker's attention backend (torch, Triton or FlashAttention),
+which stores k/v into the cache by slot mapping and attends over the cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.attention.base import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner once the KV cache exists: [num_blocks, block_size, num_kv_heads, head_dim].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q `[T, Hq*D]`, k/v `[T, Hk*D]` (views of the fused qkv output) -> `[T, Hq*D]`."""
+        assert self.backend is not None, "the model runner binds a backend before the first forward"
+        d = self.head_dim
+        out = self.backend.forward(
+            q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d),
+            self.k_cache, self.v_cache, meta, self.scale)
+        return out.view(-1, self.num_heads * d)

@@ -1,0 +1,49 @@
+"""Token embedding and LM head split by vocabulary across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.parallel import all_reduce, gather_to_rank0, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [r*P, (r+1)*P) with P = ceil(vocab_size / N) (the last rank's
+    tail is zero padding). Each rank embeds the ids it owns and the partial rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp_size())
+        self.vocab_start = tp_rank() * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids `[num_tokens]` int64 -> `[num_tokens, hidden_size]`."""
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * mask, self.weight)
+        return all_reduce(y * mask.unsqueeze(1).to(y.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden `[n, hidden_size]` -> logits `[n, vocab_size]` on rank 0 (None on other ranks).
+
+    Each rank computes its vocabulary slice; rank 0 gathers them (it is the rank that samples).
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        logits = F.linear(hidden, self.weight)
+        if tp_size() == 1:
+            return logits
+        full = gather_to_rank0(logits, dim=-1)
+        return full[:, : self.vocab_size] if full is not None else None

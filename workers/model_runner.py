@@ -1,0 +1,404 @@
+"""The device side of a worker: model, KV cache, step execution, sampling, CUDA graphs.
+
+`execute(plan)` applies a step plan to the persistent batch, copies the step's inputs to the
+device (pinned host buffers, non-blocking copies), runs the model (a captured CUDA graph for
+decode batches, eagerly otherwise), samples, and starts copying the sampled tokens back. It
+returns without waiting for the device; `finalize` waits for the copy. The worker launches step
+N+1 before it finalizes step N, so the device never waits for Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.config import EngineConfig, load_hf_config
+from common.protocol import StepPlan
+from workers.attention import create_attention_backend
+from workers.attention.base import AttentionMetadata
+from workers.input_batch import InputBatch, ReqState, StepInputs
+from workers.loader import load_weights
+from workers.models import MODEL_REGISTRY
+from workers.models.llama import head_dim_of
+from workers.parallel import broadcast_from_rank0, init_tensor_parallel, tp_rank, tp_size
+from workers.sampler import Sampler
+
+log = logging.getLogger("deltaserve.worker")
+GiB = 1 << 30
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    """"auto" -> cuda:<rank mod device count> when CUDA is available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was requested but CUDA is not available")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
+    """"auto": the checkpoint's 16-bit dtype on GPUs (bfloat16 if it declares none), float32 on CPU."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    declared = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    declared = getattr(torch, declared) if isinstance(declared, str) else declared
+    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    step_id: int
+    states: list[ReqState]
+    tokens_host: torch.Tensor | None  # pinned or plain host buffer holding the tokens
+    event: torch.cuda.Event | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class HostBuffers:
+    """Pinned host staging buffers for one step's inputs (two sets alternate between steps, so a
+    step never overwrites a buffer whose copy to the device may not have run yet)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_tokens, dtype=i64, pin_memory=pin)
+        self.positions = torch.zeros(max_tokens, dtype=i64, pin_memory=pin)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=i64, pin_memory=pin)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=i32, pin_memory=pin)
+        self.seq_lens = torch.zeros(max_seqs, dtype=i32, pin_memory=pin)
+        self.block_tables = torch.zeros(max_seqs * max_blocks, dtype=i32, pin_memory=pin)
+        self.gpu_token_index = torch.zeros(max_tokens, dtype=i64, pin_memory=pin)
+        self.gpu_token_rows = torch.zeros(max_tokens, dtype=i64, pin_memory=pin)
+        self.logits_indices = torch.zeros(max_seqs, dtype=i64, pin_memory=pin)
+        self.sampling_rows = torch.zeros(max_seqs, dtype=i64, pin_memory=pin)
+        self.temperatures = torch.zeros(max_seqs, dtype=torch.float32, pin_memory=pin)
+        self.sampled = torch.zeros(max_seqs, dtype=i64, pin_memory=pin)
+        self.copied: torch.cuda.Event | None = torch.cuda.Event() if pin else None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int, dist_init: str) -> None:
+        assert config.max_model_len is not None, "the launcher resolves the config first"
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device)
+        torch.manual_seed(config.seed)
+        self.hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        with torch.device(self.device), default_dtype(self.dtype):
+            model = MODEL_REGISTRY[config.architecture](self.hf_config, config.max_model_len)
+        model.to(self.device)  # buffers built on the host (rope tables)
+        load_weights(model, config.model)
+        self.model = model.eval()
+        self.attn_layers = model.attention_layers()
+        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype,
+                                                head_dim_of(self.hf_config))
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler(self.device)
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = config.max_blocks_per_seq
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.host = [HostBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+                     for _ in range(2)]
+        self.step_parity = 0
+        self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_inputs: dict[str, torch.Tensor] = {}
+        self.profile_steps = 0
+        log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
+                 self.dtype, self.backend.name)
+
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def kv_bytes_per_block(self) -> int:
+        layer = self.attn_layers[0]
+        per_token = 2 * len(self.attn_layers) * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return "cpu"
+
+    def max_num_kv_blocks(self) -> int:
+        """Blocks this rank can hold: forced, from a fixed budget, or measured on the GPU.
+
+        On a GPU: a warm-up forward at the largest batch measures peak activation memory; the
+        cache gets `gpu_memory_utilization` of the card minus weights, activations and
+        memory outside torch (CUDA context, NCCL).
+        """
+        cfg = self.config
+        per_block = self.kv_bytes_per_block
+        if self.device.type == "cpu":
+            budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
+            capacity = int(budget // per_block)
+            return cfg.num_kvcache_blocks or capacity
+        peak_activations = self._profile_peak_memory()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * GiB
+        else:
+            budget = total * cfg.gpu_memory_utilization - non_torch - weights - peak_activations
+        capacity = max(0, int(budget // per_block))
+        log.info("rank %d memory: total %.1f GiB, weights %.2f GiB, peak activations %.2f GiB, other %.2f GiB "
+                 "-> room for %d KV blocks", self.rank, total / GiB, weights / GiB, peak_activations / GiB,
+                 non_torch / GiB, capacity)
+        if cfg.num_kvcache_blocks:
+            if cfg.num_kvcache_blocks > capacity:
+                raise RuntimeError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has room "
+                                   f"for {capacity} blocks of {per_block} bytes")
+            return cfg.num_kvcache_blocks
+        return capacity
+
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes above the weights during a warm-up step at the largest batch (temp cache excluded)."""
+        cfg = self.config
+        num_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        num_blocks = -(-num_tokens // self.block_size) + self.max_blocks_per_seq
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(num_blocks)
+        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self._dummy_step(num_tokens, seq_len)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
+        self.kv_cache = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        return max(0, peak)
+
+    @torch.inference_mode()
+    def _dummy_step(self, num_tokens: int, seq_len: int) -> None:
+        """A forward and a sampling pass over `num_tokens` tokens in sequences of `seq_len`."""
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
+        bs = self.block_size
+        width = -(-seq_len // bs)
+        tables = (np.arange(len(lens))[:, None] * width + np.arange(width)[None, :]).astype(np.int32)
+        seq_index = np.repeat(np.arange(len(lens)), lens)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev), query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=max(lens), max_seq_len=max(lens), is_decode=False,
+            query_start_loc_cpu=qsl, seq_lens_cpu=np.array(lens, dtype=np.int32))
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), meta)
+        n = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:n])
+        if logits is not None:
+            self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, sliced per layer."""
+        layer = self.attn_layers[0]
+        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                                    layer.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+        size = self.kv_cache.numel() * self.kv_cache.element_size()
+        log.info("rank %d KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.rank, num_blocks,
+                 self.block_size, num_blocks * self.block_size, size / GiB)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def graph_batch_sizes(self) -> list[int]:
+        cfg = self.config
+        sizes = cfg.cuda_graph_sizes or (1, 2, 4, 8, *range(16, cfg.max_num_seqs + 1, 16))
+        return sorted({s for s in sizes if s <= cfg.max_num_seqs} | ({cfg.max_num_seqs} if not cfg.cuda_graph_sizes
+                                                                      else set()))
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture one decode graph per batch size, largest first, sharing one memory pool.
+
+        Padding rows of a replay get slot -1 (no KV write) and sequence length 0 (no KV read),
+        so they can neither write into nor read from real requests' blocks.
+        """
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return
+        t0 = time.perf_counter()
+        sizes = self.graph_batch_sizes()
+        max_bs, dev = max(sizes), self.device
+        g = self.graph_inputs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        }
+        pool = None
+        for bs in reversed(sizes):
+            meta = self._graph_metadata(bs)
+            self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up (kernel compilation)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(dev)
+        log.info("rank %d captured %d CUDA graphs (batch %d..%d) in %.1f s", self.rank, len(sizes), min(sizes),
+                 max_bs, time.perf_counter() - t0)
+
+    def _graph_metadata(self, bs: int) -> AttentionMetadata:
+        g = self.graph_inputs
+        return AttentionMetadata(
+            slot_mapping=g["slot_mapping"][:bs], query_start_loc=g["query_start_loc"][: bs + 1],
+            seq_lens=g["seq_lens"][:bs], block_tables=g["block_tables"][:bs], max_query_len=1,
+            max_seq_len=self.config.max_model_len, is_decode=True)
+
+    def _graph_size_for(self, inputs: StepInputs) -> int | None:
+        if not self.graphs or not inputs.is_decode:
+            return None
+        b = len(inputs.rows)
+        return next((s for s in sorted(self.graphs) if s >= b), None)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> PendingStep | None:
+        """Apply `plan` and launch its step; None when the plan schedules nothing (deltas only)."""
+        t0 = time.perf_counter()
+        scheduled = self.batch.apply(plan)
+        if not scheduled:
+            return None
+        inputs = self.batch.prepare(scheduled)
+        t1 = time.perf_counter()
+        host = self.host[self.step_parity]
+        self.step_parity ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # its previous copies (two steps ago) have run
+        graph_bs = self._graph_size_for(inputs)
+        input_ids, positions, meta, dev_idx = self._upload(inputs, host, graph_bs)
+        if graph_bs is not None:
+            graph, out = self.graphs[graph_bs]
+            graph.replay()
+            hidden = out[: len(inputs.rows)]
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        tokens_host, event = self._sample(inputs, host, hidden, dev_idx)
+        t2 = time.perf_counter()
+        timings = {"prepare": (t1 - t0) * 1e3, "launch": (t2 - t1) * 1e3, "tokens": float(len(inputs.positions)),
+                   "graph": float(graph_bs or 0)}
+        return PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings)
+
+    def _upload(self, inputs: StepInputs, host: HostBuffers, graph_bs: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, torch.Tensor]]:
+        """Copy the step's inputs to the device (into the graph's static buffers for a graph step)."""
+        dev = self.device
+        t, b, s = len(inputs.positions), len(inputs.rows), len(inputs.sampling_rows)
+        width = max(1, inputs.num_blocks_used)
+
+        def up(buf: torch.Tensor, arr: np.ndarray) -> torch.Tensor:
+            n = arr.size
+            view = buf[:n]
+            view.copy_(torch.from_numpy(arr).reshape(-1))
+            return view.to(dev, non_blocking=True)
+
+        block_tables_np = self.batch.block_table[inputs.rows, :width]
+        input_ids = up(host.input_ids, inputs.input_ids)
+        positions = up(host.positions, inputs.positions)
+        slot_mapping = up(host.slot_mapping, inputs.slot_mapping)
+        qsl = up(host.query_start_loc, inputs.query_start_loc)
+        seq_lens = up(host.seq_lens, inputs.seq_lens)
+        block_tables = up(host.block_tables, np.ascontiguousarray(block_tables_np)).view(b, width)
+        dev_idx = {
+            "gpu_token_index": up(host.gpu_token_index, inputs.gpu_token_index),
+            "gpu_token_rows": up(host.gpu_token_rows, inputs.gpu_token_rows),
+            "logits_indices": up(host.logits_indices, inputs.logits_indices),
+            "sampling_rows": up(host.sampling_rows, inputs.sampling_rows),
+            "temperatures": up(host.temperatures, inputs.temperatures),
+        }
+        if host.copied is not None:
+            host.copied.record()
+        if len(inputs.gpu_token_index):
+            input_ids[dev_idx["gpu_token_index"]] = self.last_sampled[dev_idx["gpu_token_rows"]]
+        if graph_bs is not None:
+            g = self.graph_inputs
+            g["input_ids"][:b].copy_(input_ids)
+            g["positions"][:b].copy_(positions)
+            g["slot_mapping"][:b].copy_(slot_mapping)
+            g["slot_mapping"][b:graph_bs].fill_(-1)
+            g["seq_lens"][:b].copy_(seq_lens)
+            g["seq_lens"][b:graph_bs].fill_(0)
+            g["block_tables"][:b, :width].copy_(block_tables)
+            return input_ids, positions, self._graph_metadata(graph_bs), dev_idx
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
+            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len, is_decode=inputs.is_decode,
+            query_start_loc_cpu=inputs.query_start_loc, seq_lens_cpu=inputs.seq_lens)
+        del t, s
+        return input_ids, positions, meta, dev_idx
+
+    def _sample(self, inputs: StepInputs, host: HostBuffers, hidden: torch.Tensor,
+                dev_idx: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        s = len(inputs.sampling_rows)
+        if s == 0:
+            return None, None
+        logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
+        if tp_rank() == 0:
+            assert logits is not None
+            all_greedy = not bool((inputs.temperatures > 0).any())
+            tokens = self.sampler(logits, dev_idx["temperatures"], all_greedy, inputs.seeded_rows)
+        else:
+            tokens = torch.empty(s, dtype=torch.int64, device=self.device)
+        if tp_size() > 1:
+            broadcast_from_rank0(tokens)
+        self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
+        out = host.sampled[:s]
+        if self.device.type == "cuda":
+            out.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return out, event
+        out.copy_(tokens)
+        return out, None
+
+    def finalize(self, step: PendingStep) -> np.ndarray:
+        """Wait for a step's sampled tokens; record them in the batch; return them (int32, row order)."""
+        if step.event is not None:
+            step.event.synchronize()
+        if step.tokens_host is None:
+            return np.zeros(0, dtype=np.int32)
+        tokens = step.tokens_host.numpy().astype(np.int32)
+        InputBatch.append_sampled(step.states, tokens)
+        return tokens

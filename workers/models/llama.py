@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, ...), written for paged attention and tensor parallelism.
+
+Matches `transformers`' LlamaForCausalLM on the same weights: pre-norm decoder layers, RoPE,
+grouped-query attention, SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused
+matmuls; `packed_modules_mapping` tells the loader which checkpoint tensor fills which part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.attention.base import AttentionMetadata
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import Attention
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    qk_norm = False  # Qwen3 normalises each q and k head before RoPE
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        d = head_dim_of(cfg)
+        num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, num_kv, bias=bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.rotary_emb = RotaryEmbedding(cfg, d, max_position)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, max_position)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([self.layer_cls(cfg, max_position) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """input ids `[T]` int64 and positions `[T]` int64 -> hidden states `[T, hidden_size]`;
+    `compute_logits(hidden)` -> `[n, vocab_size]` float logits on rank 0."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+    # checkpoint name part -> (fused parameter name part, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        self.model = self.model_cls(cfg, max_position)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,111 @@
+"""A worker process: one per device (tensor-parallel rank). One loop, top to bottom:
+
+receive a step plan -> apply it and launch the step on the device -> finalize the previous step
+(its sampled tokens reach the host) -> rank 0 sends them to the scheduler.
+
+Launching step N+1 before finalizing step N keeps the device busy while the scheduler plans
+ahead. When no plan is waiting and the launched step has completed, it is finalized at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import zmq
+
+from common import ipc
+from common.config import EngineConfig
+from common.proc import maybe_profile, run_process, setup_process
+from common.protocol import InitKVCache, KVCacheReady, ProcessReady, Shutdown, StepPlan, StepResult, WorkerReady, i32
+from workers.model_runner import ModelRunner, PendingStep
+from workers.parallel import destroy_tensor_parallel
+
+log = logging.getLogger("deltaserve.worker")
+
+
+class WorkerProcess:
+    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.ctx = zmq.Context.instance()
+        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
+        self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
+        self.runner = ModelRunner(config, rank, endpoints.dist_init)
+
+    def start(self) -> None:
+        r = self.runner
+        ipc.send(self.results, WorkerReady(self.rank, r.max_num_kv_blocks(), r.kv_bytes_per_block, r.device_name()))
+        msg = ipc.recv(self.plans)
+        if isinstance(msg, Shutdown):
+            raise SystemExit(0)
+        assert isinstance(msg, InitKVCache), f"expected InitKVCache, got {type(msg).__name__}"
+        r.allocate_kv_cache(msg.num_kv_blocks)
+        r.capture_cuda_graphs()
+        ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
+        ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name()}))
+
+    def serve(self) -> None:
+        pending: PendingStep | None = None
+        while True:
+            if pending is not None and not self.plans.poll(0):
+                if pending.ready():
+                    self._finish(pending)
+                    pending = None
+                else:
+                    self.plans.poll(0.05)  # milliseconds; wakes early when a plan arrives
+                continue
+            msg = ipc.recv(self.plans, timeout_ms=1000)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):
+                if pending is not None:
+                    self._finish(pending)
+                return
+            assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
+            launched = self.runner.execute(msg)
+            if pending is not None:
+                self._finish(pending)
+            pending = launched if launched is not None else pending
+
+    def _finish(self, step: PendingStep) -> None:
+        t0 = time.perf_counter()
+        tokens = self.runner.finalize(step)
+        step.timings["wait"] = (time.perf_counter() - t0) * 1e3
+        if self.rank == 0:
+            ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %s", step.step_id, " ".join(f"{k} {v:.2f}" for k, v in step.timings.items()))
+
+    def close(self) -> None:
+        for sock in (self.control, self.plans, self.results):
+            sock.close()
+        destroy_tensor_parallel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="deltaserve worker process (one per device / TP rank)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config)
+    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
+    name = f"worker-tp{args.rank}"
+    setup_process(name, config.log_level, args.parent_pid)
+
+    def body() -> None:
+        proc = WorkerProcess(config, endpoints, args.rank)
+        try:
+            with maybe_profile(config.profile_dir, f"{name}-{os.getpid()}"):
+                proc.start()
+                proc.serve()
+        finally:
+            proc.close()
+
+    run_process(name, endpoints.control, body)
