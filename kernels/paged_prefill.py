@@ -46,7 +46,8 @@ def _paged_prefill_kernel(
     # Program (seq, q_block, kv_head) owns BLOCK_Q query tokens of one sequence times the GROUP
     # query heads of one KV head: row r is token q_block * BLOCK_Q + r // GROUP, head r % GROUP.
     seq = tl.program_id(0)
-    q_block = tl.program_id(1)
+    # Later query tiles see more keys; launching them first shortens the tail of the grid.
+    q_block = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
