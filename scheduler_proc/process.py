@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from common import ipc
+from common import envs, ipc
 from common.config import EngineConfig
 from common.proc import maybe_profile, run_process, setup_process
 from common.protocol import (
@@ -58,6 +58,7 @@ class SchedulerProcess:
         self.to_frontend = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
+        self.check_invariants = envs.check_invariants()
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -132,6 +133,8 @@ class SchedulerProcess:
                 if plan is None:
                     break
                 self._send_plan(plan, t0)
+                if self.check_invariants:
+                    sched.check_invariants()
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""
@@ -174,6 +177,8 @@ class SchedulerProcess:
         t0 = time.perf_counter()
         outputs = sched.process_result(msg)
         ipc.send(self.to_frontend, outputs)
+        if self.check_invariants:
+            sched.check_invariants()
         if log.isEnabledFor(logging.DEBUG):
             started = self.step_started.pop(msg.step_id, t0)
             worker = " ".join(f"{k} {v:.2f}" for k, v in msg.timings.items())

