@@ -35,7 +35,7 @@ def ensure_default_model(verbose: bool = True) -> str:
     Raises `RuntimeError` if the download or the conversion fails.
     """
     target = default_model_dir()
-    if os.path.isfile(os.path.join(target, "model.safetensors")) and os.path.isfile(os.path.join(target, "config.json")):
+    if all(os.path.isfile(os.path.join(target, f)) for f in ("model.safetensors", "config.json")):
         return target
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
