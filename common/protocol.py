@@ -218,7 +218,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), on finish
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), num_preemptions; on finish
 
 
 @_message
@@ -266,6 +266,7 @@ class FinishedSeq:
     reason: str  # "stop", "length", "abort" or "error"
     num_cached_tokens: int = 0
     error: str | None = None  # set when reason == "error" (e.g. needs more KV blocks than exist)
+    num_preemptions: int = 0  # times it was preempted and recomputed
 
 
 @_message

