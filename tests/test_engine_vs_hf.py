@@ -25,15 +25,13 @@ ID_PROMPTS = [synthetic_prompt(3, 1), SHARED + synthetic_prompt(17, 2), SHARED +
 
 
 @cache
-def hf_greedy(model_dir: str, prompt: tuple[int, ...]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
+def hf_greedy(model_dir: str, prompt: tuple[int, ...], num_tokens: int = NUM_TOKENS) -> list[int]:
+    """`num_tokens` greedy tokens from transformers' `generate` (EOS ignored), float32."""
     model = _hf_model(model_dir)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS,
-                             min_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0)
-    del AutoModelForCausalLM
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                             min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
