@@ -79,3 +79,17 @@ def test_greedy_tokens_match_under_chunking_preemption_and_prefix_hits(
         assert out_b["token_ids"] == ref
     assert sum(o["metrics"]["num_preemptions"] for o in first) > 0, "the small cache should force preemption"
     assert sum(o["num_cached_tokens"] for o in second) > 0, "the second pass should hit the prefix cache"
+
+
+def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen3: Path, engine_factory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU worker's Triton kernels, run on CPU by the Triton interpreter, through the whole engine
+    with chunked prefill (prefill kernel over cached context) and decode steps (split-KV kernel)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = engine_factory(tiny_qwen3, attention_backend="triton", block_size=16, max_model_len=1024,
+                         max_num_batched_tokens=64)
+    prompts = [TEXT_PROMPTS[1], ID_PROMPTS[1], ID_PROMPTS[2]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompt_ids(tiny_qwen3)[1:2] + ID_PROMPTS[1:3], outputs):
+        assert out["token_ids"] == hf_greedy(str(tiny_qwen3), tuple(ids))[:16]

@@ -120,7 +120,7 @@ class ModelRunner:
         self.model = model.eval()
         self.attn_layers = model.attention_layers()
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype,
-                                                head_dim_of(self.hf_config))
+                                                head_dim_of(self.hf_config), config.block_size)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler(self.device)

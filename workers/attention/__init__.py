@@ -18,14 +18,15 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]
 
 
-def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                             block_size: int) -> AttentionBackend:
     """The backend called `name` for this device. Raises `RuntimeError` when it cannot run here."""
     if name == "auto":
         name = "torch"
         if device.type == "cuda":
             from workers.attention import flash_backend
 
-            name = "flash-attn" if flash_backend.usable(device, dtype, head_dim) else "triton"
+            name = "flash-attn" if flash_backend.usable(device, dtype, head_dim, block_size) else "triton"
     if name == "torch":
         from workers.attention.torch_backend import TorchAttentionBackend
 
@@ -39,5 +40,5 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if name == "flash-attn":
         from workers.attention import flash_backend
 
-        return flash_backend.create(device, dtype, head_dim)
+        return flash_backend.create(device, dtype, head_dim, block_size)
     raise ValueError(f"unknown attention backend {name!r}")
