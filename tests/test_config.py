@@ -1,0 +1,305 @@
+"""Engine and sampling settings: every invalid value is refused with an error naming the setting;
+`resolve()` reads tiny checkpoints written by transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.config import SUPPORTED_ARCHITECTURES, ConfigError, EngineConfig
+from common.sampling_params import SamplingParams
+
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_id=7)
+
+
+def write_checkpoint(path: Path, arch: str = "qwen3", generation_eos: Any = None, **overrides: Any) -> str:
+    """A config-only checkpoint folder (config.json, optionally generation_config.json); no weights needed."""
+    from transformers import GenerationConfig, LlamaConfig, Qwen3Config
+
+    config_cls, architecture = {"qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+                                "llama": (LlamaConfig, "LlamaForCausalLM")}[arch]
+    settings = {**TINY, "architectures": [architecture], **overrides}
+    config_cls(**settings).save_pretrained(path)
+    if generation_eos is not None:
+        GenerationConfig(eos_token_id=generation_eos).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    return write_checkpoint(tmp_path / "tiny-qwen3")
+
+
+# ============================================================================ EngineConfig validation
+def test_missing_model_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model folder .* does not exist"):
+        EngineConfig(str(tmp_path / "no-such-model"))
+
+
+def test_folder_without_config_json_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+
+    with pytest.raises(ConfigError, match="has no config.json"):
+        EngineConfig(str(tmp_path))
+
+
+SIZES = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kvcache_blocks",
+         "kv_cache_memory_gb", "tensor_parallel_size"]
+
+
+@pytest.mark.parametrize("value", [0, -1, -0.5, True, "16"], ids=["zero", "negative", "negative-float", "bool", "str"])
+@pytest.mark.parametrize("name", SIZES)
+def test_non_positive_size_is_refused_naming_the_setting(model_dir: str, name: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"^{name} must be a positive number"):
+        EngineConfig(model_dir, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"])
+def test_required_sizes_cannot_be_none(model_dir: str, name: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name} "):
+        EngineConfig(model_dir, **{name: None})
+
+
+@pytest.mark.xfail(strict=True, reason="common/config.py `positive` accepts any float for token/block/rank counts: "
+                                       "block_size=16.5 and friends pass validation instead of raising ConfigError")
+@pytest.mark.parametrize(("name", "value"), [("block_size", 16.5), ("max_num_seqs", 2.5), ("max_model_len", 100.5),
+                                             ("tensor_parallel_size", 1.5), ("num_kvcache_blocks", 3.5)])
+def test_fractional_counts_are_refused(model_dir: str, name: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig(model_dir, **{name: value})
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.01, 2.0, math.nan])
+def test_gpu_memory_utilization_outside_zero_to_one_is_refused(model_dir: str, value: float) -> None:
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+        EngineConfig(model_dir, gpu_memory_utilization=value)
+
+
+@pytest.mark.parametrize("value", [1.0, 0.05, 0.9])
+def test_gpu_memory_utilization_in_zero_to_one_is_accepted(model_dir: str, value: float) -> None:
+    assert EngineConfig(model_dir, gpu_memory_utilization=value).gpu_memory_utilization == value
+
+
+@pytest.mark.parametrize(("name", "value"), [("dtype", "fp8"), ("dtype", "float64"), ("device", "tpu"),
+                                             ("device", "cuda:0"), ("attention_backend", "xformers"),
+                                             ("attention_backend", "")])
+def test_unknown_choice_is_refused_naming_the_setting_and_the_choices(model_dir: str, name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name} must be one of"):
+        EngineConfig(model_dir, **{name: value})
+
+
+@pytest.mark.parametrize("sizes", [(), [], (0, 8), (-1,)])
+def test_empty_or_non_positive_cuda_graph_sizes_are_refused(model_dir: str, sizes: Any) -> None:
+    with pytest.raises(ConfigError, match="cuda_graph_sizes"):
+        EngineConfig(model_dir, cuda_graph_sizes=sizes)
+
+
+def test_cuda_graph_sizes_are_sorted_and_deduplicated(model_dir: str) -> None:
+    assert EngineConfig(model_dir, cuda_graph_sizes=[8, 1, 8, 4]).cuda_graph_sizes == (1, 4, 8)
+
+
+@pytest.mark.xfail(strict=True, reason="common/config.py __post_init__ lets mistyped values reach comparisons and "
+                                       "int(): gpu_memory_utilization='0.9' or None raises TypeError, "
+                                       "cuda_graph_sizes=['a'] ValueError, cuda_graph_sizes=8 TypeError, "
+                                       "model=None TypeError, none of them a ConfigError naming the setting")
+@pytest.mark.parametrize(("name", "value"), [("gpu_memory_utilization", "0.9"), ("gpu_memory_utilization", None),
+                                             ("cuda_graph_sizes", ["a"]), ("cuda_graph_sizes", 8), ("model", None)])
+def test_mistyped_setting_raises_config_error_naming_it(model_dir: str, name: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig(**{"model": model_dir, name: value})
+
+
+def test_config_is_frozen(model_dir: str) -> None:
+    config = EngineConfig(model_dir)
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 32  # type: ignore[misc]
+
+
+# ============================================================================ JSON
+def test_json_round_trip_keeps_every_setting(model_dir: str) -> None:
+    config = EngineConfig(model_dir, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, block_size=32,
+                          num_kvcache_blocks=40, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
+                          enforce_eager=True, cuda_graph_sizes=(1, 2, 8), dtype="bfloat16", device="cpu", seed=3,
+                          attention_backend="torch", enable_prefix_caching=False, log_level="DEBUG")
+
+    assert EngineConfig.from_json(config.to_json()) == config
+
+
+def test_json_round_trip_keeps_resolved_fields(model_dir: str) -> None:
+    config = EngineConfig(model_dir).resolve()
+
+    restored = EngineConfig.from_json(config.to_json())
+
+    assert restored == config
+    assert restored.eos_token_ids == (7,) and isinstance(restored.eos_token_ids, tuple)
+
+
+def test_field_names_are_the_user_settings_only() -> None:
+    names = EngineConfig.field_names()
+
+    assert "model" in names and "block_size" in names
+    assert not {"architecture", "vocab_size", "eos_token_ids"} & set(names)
+
+
+# ============================================================================ resolve()
+def test_resolve_fills_architecture_vocab_eos_and_max_model_len(model_dir: str) -> None:
+    config = EngineConfig(model_dir, block_size=16)
+
+    resolved = config.resolve()
+
+    assert resolved.architecture == "Qwen3ForCausalLM"
+    assert resolved.vocab_size == 1024
+    assert resolved.eos_token_ids == (7,)
+    assert resolved.max_model_len == 2048  # max_position_embeddings
+    assert resolved.max_blocks_per_seq == 2048 // 16
+    assert config.architecture == "" and config.max_model_len is None  # resolve returns a new config
+
+
+def test_resolve_prefers_generation_config_eos_ids(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "tiny-llama", arch="llama", generation_eos=[128001, 128009])
+
+    resolved = EngineConfig(model, max_model_len=1000, block_size=16).resolve()
+
+    assert resolved.architecture == "LlamaForCausalLM"
+    assert resolved.eos_token_ids == (128001, 128009)
+    assert resolved.max_model_len == 1000
+    assert resolved.max_blocks_per_seq == 63  # ceil(1000 / 16)
+
+
+def test_resolve_without_any_eos_gives_no_eos_ids(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "no-eos", eos_token_id=None)
+
+    assert EngineConfig(model).resolve().eos_token_ids == ()
+
+
+@pytest.mark.parametrize("architectures", [["GPT2LMHeadModel"], ["Qwen3MoeForCausalLM"], None])
+def test_resolve_rejects_an_unsupported_architecture(tmp_path: Path, architectures: Any) -> None:
+    model = write_checkpoint(tmp_path / "other", architectures=architectures)
+
+    with pytest.raises(ConfigError, match="supported: " + ", ".join(SUPPORTED_ARCHITECTURES)) as info:
+        EngineConfig(model).resolve()
+    assert str(architectures or []) in str(info.value)
+
+
+def test_resolve_rejects_max_model_len_beyond_the_model_positions(model_dir: str) -> None:
+    with pytest.raises(ConfigError, match="max_model_len 4096 exceeds the model's max_position_embeddings 2048"):
+        EngineConfig(model_dir, max_model_len=4096).resolve()
+
+
+def test_resolve_accepts_max_model_len_equal_to_the_model_positions(model_dir: str) -> None:
+    assert EngineConfig(model_dir, max_model_len=2048).resolve().max_model_len == 2048
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 3), (4, 4, 8), (6, 6, 4)])
+def test_resolve_rejects_tensor_parallel_size_not_dividing_the_heads(
+    tmp_path: Path, heads: int, kv_heads: int, tp: int
+) -> None:
+    model = write_checkpoint(tmp_path / "m", num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size {tp} does not divide num_attention_heads {heads}"):
+        EngineConfig(model, tensor_parallel_size=tp).resolve()
+
+
+def test_resolve_rejects_kv_heads_and_tensor_parallel_size_that_do_not_divide_each_other(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3)
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 and num_key_value_heads 3"):
+        EngineConfig(model, tensor_parallel_size=2).resolve()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(8, 2, 4), (8, 1, 8), (4, 4, 2), (4, 2, 2)])
+def test_resolve_accepts_tensor_parallel_size_dividing_the_heads(
+    tmp_path: Path, heads: int, kv_heads: int, tp: int
+) -> None:
+    """KV heads fewer than ranks are replicated, so 2 KV heads on 4 ranks is fine."""
+    model = write_checkpoint(tmp_path / "m", num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+    assert EngineConfig(model, tensor_parallel_size=tp).resolve().tensor_parallel_size == tp
+
+
+def test_resolve_reports_an_unreadable_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+
+    with pytest.raises(ConfigError, match="cannot read"):
+        EngineConfig(str(tmp_path)).resolve()
+
+
+def test_resolve_reads_config_json_written_by_hand(tmp_path: Path) -> None:
+    settings = {**TINY, "model_type": "llama", "architectures": ["MistralForCausalLM"], "eos_token_id": [2, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+
+    resolved = EngineConfig(str(tmp_path)).resolve()
+
+    assert resolved.architecture == "MistralForCausalLM"
+    assert resolved.eos_token_ids == (2, 3)
+
+
+# ============================================================================ SamplingParams
+def test_default_sampling_params_are_valid() -> None:
+    params = SamplingParams()
+
+    assert (params.temperature, params.max_tokens, params.seed) == (1.0, 64, None)
+
+
+def test_temperature_zero_is_accepted_as_greedy() -> None:
+    """BR-19 part 1: clients send temperature 0 for greedy decoding."""
+    assert SamplingParams(temperature=0).temperature == 0
+    assert SamplingParams(temperature=0.0, max_tokens=1).max_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("temperature", -0.1), ("temperature", -1), ("temperature", math.nan), ("temperature", math.inf),
+     ("temperature", -math.inf), ("temperature", "0.5"), ("temperature", True), ("temperature", None),
+     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "8"),
+     ("max_tokens", None), ("max_tokens", 8.0),
+     ("seed", 1.5), ("seed", "1"), ("seed", True),
+     ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
+     ("stop_token_ids", "1,2"), ("stop_token_ids", None), ("stop_token_ids", 5)],
+)
+def test_invalid_sampling_param_raises_value_error_naming_it(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{name} "):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**63])
+def test_any_integer_seed_is_accepted(seed: int) -> None:
+    assert SamplingParams(seed=seed).seed == seed
+
+
+def test_from_dict_rejects_an_unknown_key_naming_it() -> None:
+    with pytest.raises(ValueError, match="unknown sampling parameters \\['temprature'\\]"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_from_dict_rejects_a_non_map() -> None:
+    with pytest.raises(ValueError, match="must be a map"):
+        SamplingParams.from_dict([("temperature", 0.5)])  # type: ignore[arg-type]
+
+
+def test_from_dict_validates_the_values() -> None:
+    with pytest.raises(ValueError, match="^max_tokens "):
+        SamplingParams.from_dict({"max_tokens": 0})
+
+
+def test_from_dict_inverts_to_dict() -> None:
+    params = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True, stop_token_ids=[3, 4], seed=11,
+                            skip_special_tokens=False)
+
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+@pytest.mark.xfail(strict=True, reason="SamplingParams.validate (common/sampling_params.py) never checks ignore_eos "
+                                       "and skip_special_tokens: from_dict({'ignore_eos': 'false'}) is accepted and "
+                                       "the truthy string makes the request ignore EOS")
+@pytest.mark.parametrize("name", ["ignore_eos", "skip_special_tokens"])
+def test_non_bool_flag_raises_value_error_naming_it(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams.from_dict({name: "false"})
