@@ -14,3 +14,10 @@ def check_invariants() -> bool:
     """DELTASERVE_CHECK_INVARIANTS=1: the scheduler asserts its block-accounting invariants after every
     step (slow; for tests). A violation kills the engine with the failed assertion as the message."""
     return os.environ.get("DELTASERVE_CHECK_INVARIANTS", "") == "1"
+
+
+def step_log_dir() -> str | None:
+    """DELTASERVE_STEP_LOG_DIR: every process appends one JSON line of timing per step to
+    `<dir>/<process name>.jsonl` (scheduler: planning; workers: input preparation, device time,
+    device idle time before the step)."""
+    return os.environ.get("DELTASERVE_STEP_LOG_DIR") or None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import zmq
 
-from common import ipc, protocol
+from common import envs, ipc, protocol
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
 
@@ -96,3 +97,27 @@ def run_process(name: str, control_address: str, body: Callable[[], None]) -> No
             ipc.send(sock, protocol.ProcessFailed(name=name, error=text))
             sock.close()
         sys.exit(1)
+
+
+class StepLog:
+    """One JSON line of timing per step, to `$DELTASERVE_STEP_LOG_DIR/<name>.jsonl` (off when unset)."""
+
+    def __init__(self, name: str) -> None:
+        folder = envs.step_log_dir()
+        self._file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            self._file = open(os.path.join(folder, f"{name}.jsonl"), "a", buffering=1 << 16)  # noqa: SIM115
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: dict[str, object]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -332,7 +332,7 @@ class StepResult:
 
     step_id: int
     sampled_token_ids: Int32Array = _empty_i32()
-    timings: dict[str, float] = field(default_factory=dict)  # milliseconds, for the step log
+    timings: dict[str, Any] = field(default_factory=dict)  # *_ms in milliseconds, and counts; for the step log
 
 
 # ============================================================================ codec

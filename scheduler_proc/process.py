@@ -22,7 +22,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import maybe_profile, run_process, setup_process
+from common.proc import StepLog, maybe_profile, run_process, setup_process
 from common.protocol import (
     AbortSeqs,
     AddRequests,
@@ -59,6 +59,7 @@ class SchedulerProcess:
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
         self.check_invariants = envs.check_invariants()
+        self.step_log = StepLog("scheduler")
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -181,7 +182,7 @@ class SchedulerProcess:
             sched.check_invariants()
         if log.isEnabledFor(logging.DEBUG):
             started = self.step_started.pop(msg.step_id, t0)
-            worker = " ".join(f"{k} {v:.2f}" for k, v in msg.timings.items())
+            worker = " ".join(f"{k} {float(v):.2f}" for k, v in msg.timings.items())
             log.debug("step %d done: %d tokens out, %d finished, round trip %.2f ms, result %.3f ms | worker ms: %s",
                       msg.step_id, len(outputs.token_ids), len(outputs.finished), (t0 - started) * 1e3,
                       (time.perf_counter() - t0) * 1e3, worker)
@@ -193,6 +194,14 @@ class SchedulerProcess:
         t1 = time.perf_counter()
         for sock in self.to_workers:
             sock.send(data, copy=False)
+        if self.step_log.enabled:
+            self.step_log.write({
+                "step": plan.step_id, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),
+                "new": len(plan.new_requests), "resumed": len(plan.resumed_requests),
+                "prefill_chunks": len(plan.prefill_seq_ids), "decodes": len(plan.decode_seq_ids),
+                "preempted": len(plan.preempted_seq_ids), "finished": len(plan.finished_seq_ids),
+                "waiting": len(sched.waiting), "running": len(sched.running),
+                "free_blocks": sched.block_manager.num_free_blocks})
         if log.isEnabledFor(logging.DEBUG):
             self.step_started[plan.step_id] = t1
             log.debug("step %d planned: %d new, %d resumed, %d prefill chunks, %d decodes, %d preempted, "
@@ -205,6 +214,7 @@ class SchedulerProcess:
     def close(self) -> None:
         for sock in [self.control, self.from_frontend, self.from_workers, self.to_frontend, *self.to_workers]:
             sock.close()
+        self.step_log.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from common.protocol import StepPlan
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.input_batch import InputBatch, ReqState, StepInputs
+from workers.layers.fused import enable_compilation
 from workers.loader import load_weights
 from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
@@ -74,6 +75,10 @@ class PendingStep:
     tokens_host: torch.Tensor | None  # pinned or plain host buffer holding the tokens
     event: torch.cuda.Event | None
     timings: dict[str, float] = field(default_factory=dict)
+    # Device timing: the step's first and last recorded events, and the previous step's last.
+    started: torch.cuda.Event | None = None
+    ended: torch.cuda.Event | None = None
+    previous_ended: torch.cuda.Event | None = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -111,6 +116,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device)
         torch.manual_seed(config.seed)
+        enable_compilation(self.device.type == "cuda" and not config.enforce_eager)
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         with torch.device(self.device), default_dtype(self.dtype):
@@ -135,7 +141,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
-        self.profile_steps = 0
+        self._last_step_end: torch.cuda.Event | None = None
         log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
                  self.dtype, self.backend.name)
 
@@ -308,6 +314,10 @@ class ModelRunner:
         if host.copied is not None:
             host.copied.synchronize()  # its previous copies (two steps ago) have run
         graph_bs = self._graph_size_for(inputs)
+        started = ended = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         input_ids, positions, meta, dev_idx = self._upload(inputs, host, graph_bs)
         if graph_bs is not None:
             graph, out = self.graphs[graph_bs]
@@ -316,10 +326,16 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta)
         tokens_host, event = self._sample(inputs, host, hidden, dev_idx)
+        if started is not None:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
         t2 = time.perf_counter()
-        timings = {"prepare": (t1 - t0) * 1e3, "launch": (t2 - t1) * 1e3, "tokens": float(len(inputs.positions)),
-                   "graph": float(graph_bs or 0)}
-        return PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings)
+        timings = {"prepare_ms": (t1 - t0) * 1e3, "launch_ms": (t2 - t1) * 1e3, "tokens": len(inputs.positions),
+                   "rows": len(inputs.rows), "decode": inputs.is_decode, "graph": graph_bs or 0}
+        step = PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings, started, ended,
+                           self._last_step_end)
+        self._last_step_end = ended
+        return step
 
     def _upload(self, inputs: StepInputs, host: HostBuffers, graph_bs: int | None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, torch.Tensor]]:
@@ -397,6 +413,12 @@ class ModelRunner:
         """Wait for a step's sampled tokens; record them in the batch; return them (int32, row order)."""
         if step.event is not None:
             step.event.synchronize()
+        if step.ended is not None:
+            step.ended.synchronize()
+            step.timings["gpu_ms"] = step.started.elapsed_time(step.ended)
+            if step.previous_ended is not None:
+                # Device idle between the previous step's last operation and this step's first.
+                step.timings["idle_ms"] = max(0.0, step.previous_ended.elapsed_time(step.started))
         if step.tokens_host is None:
             return np.zeros(0, dtype=np.int32)
         tokens = step.tokens_host.numpy().astype(np.int32)

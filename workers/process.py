@@ -19,7 +19,7 @@ import zmq
 
 from common import ipc
 from common.config import EngineConfig
-from common.proc import maybe_profile, run_process, setup_process
+from common.proc import StepLog, maybe_profile, run_process, setup_process
 from common.protocol import InitKVCache, KVCacheReady, ProcessReady, Shutdown, StepPlan, StepResult, WorkerReady, i32
 from workers.model_runner import ModelRunner, PendingStep
 from workers.parallel import destroy_tensor_parallel
@@ -36,6 +36,7 @@ class WorkerProcess:
         self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
+        self.step_log = StepLog(f"worker-tp{rank}")
 
     def start(self) -> None:
         r = self.runner
@@ -75,15 +76,17 @@ class WorkerProcess:
     def _finish(self, step: PendingStep) -> None:
         t0 = time.perf_counter()
         tokens = self.runner.finalize(step)
-        step.timings["wait"] = (time.perf_counter() - t0) * 1e3
+        step.timings["wait_ms"] = (time.perf_counter() - t0) * 1e3
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
+        self.step_log.write({"step": step.step_id, **step.timings})
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %s", step.step_id, " ".join(f"{k} {v:.2f}" for k, v in step.timings.items()))
+            log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
 
     def close(self) -> None:
         for sock in (self.control, self.plans, self.results):
             sock.close()
+        self.step_log.close()
         destroy_tensor_parallel()
 
 

@@ -6,9 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.fused import fused
+
+
+@fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[num_tokens, 2 * I]` -> `[num_tokens, I]`."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

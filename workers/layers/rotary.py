@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.layers.fused import fused
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The config's rope settings as one dict (transformers 5 `rope_parameters`, or 4.x fields)."""
@@ -53,8 +55,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` int64; q `[T, Hq, D]`, k `[T, Hk, D]` -> rotated (q, k), same dtype."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_sin_cache)
+
+
+@fused
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""The reference throughput benchmark: nano-vllm's bench.py workload through the public `LLM` API.
+
+Workload (exactly nano-vllm's): `random.seed(0)`; 256 sequences; prompt lengths and max_tokens
+each uniform in 100..1024; prompt token ids uniform in 0..10000; temperature 0.6; ignore_eos;
+max_model_len 4096; 133,966 output tokens in all; one warm-up generate first.
+
+Prints output tokens/s, the fraction of the KV-read roofline (every decode step must read each
+running sequence's whole KV cache once: that many bytes over the GPU's copy bandwidth is the
+shortest possible time), the mean decode step time at batch 256 and the device idle time
+between steps (from the workers' step log).
+
+    python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.config import load_hf_config  # noqa: E402
+
+COPY_BANDWIDTH_TBS = 4.25  # measured device-to-device copy on an H200 (MISSION.md)
+MISSION_ROOFLINE_TOKENS_PER_S = 36_000  # MISSION.md's KV-read bound for this workload on one H200 (Qwen3-0.6B)
+
+
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
+    from deltaserve import SamplingParams
+
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def kv_read_bound_s(prompts: list[list[int]], params: list, kv_bytes_per_token: int, tbs: float) -> float:
+    """Seconds to read, at `tbs` TB/s, the KV cache of every sequence once per decode step."""
+    tokens_read = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2
+                      for p, sp in zip(prompts, params))
+    return tokens_read * kv_bytes_per_token / (tbs * 1e12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="nano-vllm's bench.py workload through deltaserve's LLM API")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args()
+
+    step_dir = tempfile.mkdtemp(prefix="deltaserve-steps-")
+    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
+    from deltaserve import LLM, SamplingParams
+
+    prompts, params = workload(args.num_seqs)
+    total_tokens = sum(sp.max_tokens for sp in params)
+    llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
+              block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    worker_log = os.path.join(step_dir, "worker-tp0.jsonl")
+    skip = sum(1 for _ in open(worker_log)) if os.path.exists(worker_log) else 0
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    llm.shutdown()
+    assert sum(len(o["token_ids"]) for o in outputs) == total_tokens, "every request must produce max_tokens tokens"
+
+    steps = [json.loads(line) for line in open(worker_log)][skip:]
+    full_decode = [s["gpu_ms"] for s in steps if s.get("decode") and s["rows"] == args.num_seqs and "gpu_ms" in s]
+    idle = [s.get("idle_ms", 0.0) for s in steps]
+    hf = load_hf_config(args.model)
+    kv_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2  # bf16 K and V, all layers
+    bound = kv_read_bound_s(prompts, params, kv_per_token, COPY_BANDWIDTH_TBS)
+    result = {
+        "output_tokens": total_tokens, "seconds": elapsed, "tokens_per_s": total_tokens / elapsed,
+        "kv_read_bound_s": bound, "roofline_tokens_per_s": total_tokens / bound,
+        "fraction_of_roofline": bound / elapsed, "steps": len(steps),
+        "fraction_of_mission_roofline": total_tokens / elapsed / MISSION_ROOFLINE_TOKENS_PER_S,
+        "mean_decode_step_ms_at_full_batch": statistics.mean(full_decode) if full_decode else None,
+        "decode_steps_at_full_batch": len(full_decode),
+        "gpu_busy_s": sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3, "gpu_idle_between_steps_s": sum(idle) / 1e3,
+        "mean_idle_between_steps_ms": statistics.mean(idle) if idle else None,
+        "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size,
+    }
+    print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")
+    print(f"fraction of the KV-read roofline (MISSION.md: {MISSION_ROOFLINE_TOKENS_PER_S} tok/s): "
+          f"{100 * total_tokens / elapsed / MISSION_ROOFLINE_TOKENS_PER_S:.1f}%")
+    print(f"(this script's own bound: {bound:.2f} s = {total_tokens / bound:.0f} tok/s reading each step's KV once "
+          f"at {COPY_BANDWIDTH_TBS} TB/s; achieved {100 * bound / elapsed:.1f}% of it)")
+    if full_decode:
+        print(f"mean decode step at batch {args.num_seqs}: {statistics.mean(full_decode):.2f} ms "
+              f"({len(full_decode)} steps)")
+    print(f"device busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_between_steps_s']:.3f} s "
+          f"over {len(steps)} steps (mean {result['mean_idle_between_steps_ms'] or 0:.3f} ms)")
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
