@@ -57,12 +57,16 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
+        def positive(name: str, value: object, allow_none: bool = False, integer: bool = True) -> None:
             if value is None and allow_none:
                 return
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+            kinds = (int,) if integer else (int, float)
+            if not isinstance(value, kinds) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError(f"model must be a folder path, got {self.model!r}")
+        object.__setattr__(self, "model", os.fspath(self.model))
         if not os.path.isdir(self.model):
             raise ConfigError(f"model folder {self.model!r} does not exist (models load from local folders)")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -72,8 +76,10 @@ class EngineConfig:
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("block_size", self.block_size)
         positive("num_kvcache_blocks", self.num_kvcache_blocks, allow_none=True)
-        positive("kv_cache_memory_gb", self.kv_cache_memory_gb, allow_none=True)
+        positive("kv_cache_memory_gb", self.kv_cache_memory_gb, allow_none=True, integer=False)
         positive("tensor_parallel_size", self.tensor_parallel_size)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:
@@ -83,9 +89,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cuda_graph_sizes is not None:
-            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(int(s) for s in self.cuda_graph_sizes))))
-            if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) <= 0:
-                raise ConfigError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
+            sizes = self.cuda_graph_sizes
+            if (not isinstance(sizes, (list, tuple)) or not sizes
+                    or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)):
+                raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     # ------------------------------------------------------------------ derived values

@@ -60,7 +60,13 @@ class Int32Array:
 
 
 def i32(values: Any) -> np.ndarray:
-    """A contiguous little-endian int32 array from a list, range or array."""
+    """A contiguous little-endian int32 array from a list, range or array.
+
+    Raises `OverflowError` for a value outside the int32 range (never wraps silently).
+    """
+    if isinstance(values, np.ndarray) and values.dtype != np.int32 and values.size:
+        if int(values.min()) < -(2**31) or int(values.max()) >= 2**31:
+            raise OverflowError("a value does not fit in int32")
     return np.ascontiguousarray(values, dtype="<i4")
 
 
@@ -363,7 +369,7 @@ def decode(data: bytes) -> Any:
     if not isinstance(obj, list) or len(obj) < 2:
         raise ProtocolError("a message must be an array [version, type, fields...]")
     version, name, *values = obj
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
     cls = _MESSAGES.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -406,7 +412,8 @@ def _check(hint: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        return value
+        key_hint, value_hint = typing.get_args(hint)
+        return {_check(key_hint, k, f"{where} key"): _check(value_hint, v, f"{where}[{k!r}]") for k, v in value.items()}
     if hint in _HINTS:
         return _build(hint, value, where)
     if hint is float:

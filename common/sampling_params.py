@@ -40,6 +40,9 @@ class SamplingParams:
         m = self.max_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {m!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -1,55 +1,107 @@
 """Incremental detokenization: output token ids -> text deltas that never split a character.
 
-Built on `tokenizers.decoders.DecodeStream` (Hugging Face tokenizers >= 0.21), which holds back
-bytes until they form whole UTF-8 characters, so a character spread over several byte-level
-BPE tokens (CJK, emoji) is emitted once, complete. The stream starts from the last few prompt
-tokens as context, so a character that straddles the prompt and the output comes out whole in
-the first delta, and no prompt text ever appears in a delta.
+Byte-level BPE tokenizers (Qwen, GPT-2, Llama 3, SmolLM2): each token is a run of bytes, so the
+output is decoded byte-exactly with Python's incremental UTF-8 decoder, which holds back an
+unfinished character until its last byte arrives. Before the first output token, the bytes of
+the last few prompt tokens are fed and their text thrown away: a character that straddles the
+prompt and the output then comes out whole in the first delta, and no prompt text ever appears
+in a delta. The concatenated deltas equal `tokenizer.decode(output_ids)` whenever the output
+starts on a character boundary (the usual case).
 
-(`DecodeStream(ids=context)` alone leaks the context's text into the first delta when the context
-ends inside a character, so such trailing context tokens are fed through `step` instead.)
+Other tokenizers (SentencePiece with byte fallback, ...) use `tokenizers.decoders.DecodeStream`,
+Hugging Face's own streaming decoder, started after the prompt.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-PROMPT_CONTEXT_TOKENS = 6  # enough to hold any partial UTF-8 character (at most 4 bytes)
+PROMPT_CONTEXT_TOKENS = 4  # a UTF-8 character has at most 4 bytes, each token at least 1
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class _TokenBytes:
+    """Token id -> its bytes, for one byte-level tokenizer (cached; special tokens can be skipped)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int, skip_special: bool) -> bytes:
+        if skip_special and token_id in self.special:
+            return b""
+        data = self.cache.get(token_id)
+        if data is None:
+            token = self.backend.id_to_token(token_id)  # None for an id outside the vocabulary
+            data = b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode() for c in token or "")
+            self.cache[token_id] = data
+        return data
+
+
+_TABLES: dict[int, _TokenBytes] = {}
+
+
+def _token_bytes(tokenizer: Any) -> _TokenBytes | None:
+    """The byte table of a byte-level tokenizer, or None for any other kind."""
+    backend = tokenizer.backend_tokenizer
+    if type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    table = _TABLES.get(id(backend))
+    if table is None or table.backend is not backend:
+        table = _TABLES[id(backend)] = _TokenBytes(backend)
+    return table
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
-        """`tokenizer`: a transformers fast tokenizer (its Rust `backend_tokenizer` is used)."""
-        self._backend = tokenizer.backend_tokenizer
+        """`tokenizer`: a transformers fast tokenizer; `prompt_token_ids`: the request's prompt."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        whole = len(context)  # the longest context prefix that decodes to whole characters
-        while whole and tokenizer.decode(context[:whole], skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-            whole -= 1
-        self._stream = DecodeStream(ids=context[:whole], skip_special_tokens=skip_special_tokens) if whole else \
-            DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token_id in context[whole:]:
-            self._stream.step(self._backend, token_id)  # bytes of an unfinished character: no text yet
+        self._bytes = _token_bytes(tokenizer)
         self.text = ""  # everything emitted so far
         self.token_ids: list[int] = []
+        if self._bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+            self._utf8.decode(b"".join(self._bytes(t, skip_special_tokens) for t in context))  # text dropped
+        else:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._backend = tokenizer.backend_tokenizer
 
     def step(self, token_id: int) -> str:
         """Add one output token; return the new text it completes ("" while a character is partial)."""
         self.token_ids.append(token_id)
-        piece = self._stream.step(self._backend, token_id)
-        if not piece:
-            return ""
+        if self._bytes is not None:
+            piece = self._utf8.decode(self._bytes(token_id, self._skip_special))
+        else:
+            piece = self._stream.step(self._backend, token_id) or ""
         self.text += piece
         return piece
 
     def flush(self) -> str:
-        """At the end of the output: bytes still held back (an unfinished character) as decode() shows them."""
-        full = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip_special)
-        if full.startswith(self.text) and len(full) > len(self.text):
-            tail = full[len(self.text):]
-            self.text = full
-            return tail
-        return ""
+        """At the end of the output: an unfinished character, shown as U+FFFD like `decode()` shows it."""
+        if self._bytes is None:
+            return ""
+        tail = self._utf8.decode(b"", final=True)
+        self.text += tail
+        return tail

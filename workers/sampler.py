@@ -47,7 +47,9 @@ class Sampler:
         if all_greedy:
             return greedy
         safe_t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-        probs = torch.softmax(logits / safe_t.unsqueeze(1), dim=-1)
+        # Shift each row's maximum to 0 first: logits / T then cannot overflow to inf (NaN after softmax).
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(shifted / safe_t.unsqueeze(1), dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, seed, position in seeded_rows or ():
             self._generator.manual_seed(seeded_generator_seed(seed, position))
