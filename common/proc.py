@@ -107,7 +107,7 @@ class StepLog:
         self._file = None
         if folder:
             os.makedirs(folder, exist_ok=True)
-            self._file = open(os.path.join(folder, f"{name}.jsonl"), "a", buffering=1 << 16)  # noqa: SIM115
+            self._file = open(os.path.join(folder, f"{name}.jsonl"), "a", buffering=1)  # noqa: SIM115 (line-buffered)
 
     @property
     def enabled(self) -> bool:

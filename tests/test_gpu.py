@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+SMALL = dict(max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16])  # few graphs: quick start-up
 
 
 def _flash_available() -> bool:
@@ -35,7 +36,7 @@ BACKENDS = ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not _f
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_fp32_on_gpu_matches_transformers_exactly(tiny_qwen3: Path, engine_factory, enforce_eager: bool) -> None:
     llm = engine_factory(tiny_qwen3, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
-                         max_model_len=1024, max_num_batched_tokens=64, enforce_eager=enforce_eager)
+                         max_model_len=1024, max_num_batched_tokens=64, enforce_eager=enforce_eager, **SMALL)
     outputs = llm.generate(TEXT_PROMPTS + ID_PROMPTS, GREEDY, use_tqdm=False)
     for ids, out in zip(prompt_ids(tiny_qwen3), outputs):
         assert out["token_ids"] == hf_greedy(str(tiny_qwen3), tuple(ids))
@@ -46,7 +47,7 @@ def test_fp32_on_gpu_matches_transformers_exactly(tiny_qwen3: Path, engine_facto
 def test_bf16_backends_follow_transformers(tiny_qwen3: Path, engine_factory, backend: str, block_size: int) -> None:
     """bf16 rounding may legitimately flip a late near-tie: the first 8 tokens must match (scenarios.md)."""
     llm = engine_factory(tiny_qwen3, device="cuda", dtype="bfloat16", attention_backend=backend,
-                         block_size=block_size, max_model_len=1024, max_num_batched_tokens=128)
+                         block_size=block_size, max_model_len=1024, max_num_batched_tokens=128, **SMALL)
     outputs = llm.generate(TEXT_PROMPTS + ID_PROMPTS, GREEDY, use_tqdm=False)
     agree = 0
     for ids, out in zip(prompt_ids(tiny_qwen3), outputs):

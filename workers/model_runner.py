@@ -129,7 +129,7 @@ class ModelRunner:
                                                 head_dim_of(self.hf_config), config.block_size)
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, config.seed)
         self.block_size = config.block_size
         self.max_blocks_per_seq = config.max_blocks_per_seq
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size)

@@ -8,10 +8,15 @@ sort or cumulative sum, and runs batched on the device.
 A request with a seed draws its noise from a generator seeded by (seed, position of the token
 being sampled), so its samples do not depend on which other requests share the batch, nor on
 preemption and recomputation.
+
+On CUDA the whole batch is sampled by one fused Triton kernel (`kernels/sampling.py`, Gumbel-max
+with in-kernel Philox noise: the logits are read once); on CPU by the torch code below. The two
+draw different noise, so seeded samples are reproducible per device type.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
@@ -23,9 +28,11 @@ def seeded_generator_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self._generator = torch.Generator(device=device)
+        self._fused = device.type == "cuda"
+        self._seeds = np.random.default_rng(seed)  # per-row Philox seeds of the fused kernel
 
     @torch.no_grad()
     def __call__(
@@ -42,10 +49,17 @@ class Sampler:
         greedy; `seeded_rows` lists (row, seed, position) for requests with a seed.
         Returns token ids `[n]` int64.
         """
+        if all_greedy:
+            return logits.argmax(dim=-1)
+        if self._fused:
+            from kernels.sampling import sample_tokens
+
+            seeds = self._seeds.integers(0, 2**62, size=logits.shape[0], dtype=np.int64)
+            for row, seed, position in seeded_rows or ():
+                seeds[row] = seeded_generator_seed(seed, position)
+            return sample_tokens(logits, temperatures, torch.from_numpy(seeds).to(self.device, non_blocking=True))
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if all_greedy:
-            return greedy
         safe_t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
         # Shift each row's maximum to 0 first: logits / T then cannot overflow to inf (NaN after softmax).
         shifted = logits - logits.max(dim=-1, keepdim=True).values

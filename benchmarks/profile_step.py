@@ -1,0 +1,117 @@
+"""Where a decode step's time goes on the GPU, in one worker process (no scheduler, no sockets).
+
+For a checkpoint (e.g. the Qwen3-0.6B shape) at batch 256 with a given context: the model
+forward as a CUDA graph, sampling, the whole step (synchronous, and pipelined as the worker runs
+it), and the kernels of one eager decode step from torch.profiler.
+
+    python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common.config import EngineConfig  # noqa: E402
+from common.protocol import NewRequest, StepPlan, i32  # noqa: E402
+from workers.model_runner import ModelRunner  # noqa: E402
+
+
+def cuda_ms(fn, repeat: int = 20) -> float:
+    """Median device time of `fn()` in milliseconds."""
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    args = ap.parse_args()
+    b, ctx, bs = args.batch, args.context, 16
+    cfg = EngineConfig(model=args.model, max_model_len=4096, max_num_seqs=b, cuda_graph_sizes=(b,), block_size=bs,
+                       attention_backend=args.attention_backend).resolve()
+    runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+    per_seq = -(-(ctx + 200) // bs)
+    runner.allocate_kv_cache(b * per_seq)
+    runner.capture_cuda_graphs()
+    rng = np.random.default_rng(0)
+    step = 0
+    per_plan = max(1, cfg.max_num_batched_tokens // ctx)
+    for first in range(0, b, per_plan):
+        reqs = [NewRequest(i, i32(rng.integers(0, 10000, ctx)), args.temperature, None,
+                           i32(range(i * per_seq, (i + 1) * per_seq)), 0, ctx)
+                for i in range(first, min(b, first + per_plan))]
+        runner.finalize(runner.execute(StepPlan(step, new_requests=reqs)))
+        step += 1
+    decode = StepPlan(0, decode_seq_ids=i32(range(b)))
+
+    def one_step() -> None:
+        runner.finalize(runner.execute(decode))
+
+    for _ in range(3):
+        one_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 30
+    for _ in range(n):
+        one_step()
+    sync_ms = (time.perf_counter() - t0) / n * 1e3
+    t0 = time.perf_counter()
+    pending = runner.execute(decode)
+    for _ in range(n - 1):
+        nxt = runner.execute(decode)
+        runner.finalize(pending)
+        pending = nxt
+    runner.finalize(pending)
+    pipelined_ms = (time.perf_counter() - t0) / n * 1e3
+    graph, out = runner.graphs[b]
+    forward_ms = cuda_ms(graph.replay)
+    hidden = out[:b]
+    logits_ms = cuda_ms(lambda: runner.model.compute_logits(hidden))
+    logits = runner.model.compute_logits(hidden)
+    temps = torch.full((b,), args.temperature, device=logits.device)
+    sample_ms = cuda_ms(lambda: runner.sampler(logits, temps, all_greedy=False))
+    greedy_ms = cuda_ms(lambda: runner.sampler(logits, torch.zeros_like(temps), all_greedy=True))
+    print(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}")
+    print(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
+    print(f"LM head                      {logits_ms:7.3f} ms")
+    print(f"sampling T={args.temperature}              {sample_ms:7.3f} ms   (greedy {greedy_ms:.3f} ms)")
+    print(f"whole step, synchronous      {sync_ms:7.3f} ms wall")
+    print(f"whole step, pipelined        {pipelined_ms:7.3f} ms wall")
+
+    runner.graphs.clear()  # profile the eager step: every kernel is visible
+    one_step()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one_step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    print(f"eager decode step: {count} kernels, {total / 1e3:.3f} ms of device time")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
