@@ -136,6 +136,9 @@ class SchedulerProcess:
                 self._send_plan(plan, t0)
                 if self.check_invariants:
                     sched.check_invariants()
+            finished = sched.take_finished()
+            if finished:
+                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""

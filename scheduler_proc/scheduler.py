@@ -65,6 +65,7 @@ class Scheduler:
         self.in_flight: deque[InFlightStep] = deque()
         self.next_step_id = 0
         self.finished_for_workers: list[int] = []  # ended since the last plan; workers still hold them
+        self.unreported: list[FinishedSeq] = []  # ended while planning (cache too small); see take_finished
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -153,7 +154,7 @@ class Scheduler:
                     # Alone, and the whole cache cannot hold its next token: stop it there.
                     seq.max_tokens = seq.num_output_tokens
                     if seq.num_pending_tokens == 0:
-                        self._finish(seq, "length", [])
+                        self._finish(seq, "length", self.unreported)
                     else:
                         i += 1
                 else:
@@ -228,6 +229,11 @@ class Scheduler:
             self.in_flight.append(InFlightStep(self.next_step_id, sampling_seqs, num_scheduled))
             self.next_step_id += 1
         return plan
+
+    def take_finished(self) -> list[FinishedSeq]:
+        """Requests that ended during `schedule()` (not in any step's outputs); the caller reports them."""
+        finished, self.unreported = self.unreported, []
+        return finished
 
     def _advance(self, seq: Sequence, n: int) -> bool:
         """Account `n` scheduled tokens of `seq`; return whether its row samples a token."""

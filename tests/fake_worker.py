@@ -393,6 +393,9 @@ class FakeEngine:
             self.plan_sizes.append(len(data))
             self.num_events += 1
             self.to_worker.append((data, record))
+        ended_while_planning = sched.take_finished()
+        if ended_while_planning:
+            self._record_outputs(StepOutputs(step_id=-1, finished=ended_while_planning))
         lost = [s for s in self.requests if s not in self.finished and s not in sched.seqs]
         assert not lost, f"requests {lost} left the scheduler without a FinishedSeq: the client would wait forever"
 

@@ -25,8 +25,6 @@ from tests.fake_worker import FakeEngine, make_request, reference_output, run, s
 from workers.input_batch import InputBatch
 
 B = 16  # block size: the scenarios' 256 / 16
-CAPACITY_BUG = ("scheduler.py schedule(): a request stopped for lack of KV blocks with no token in flight is "
-                "finished with `self._finish(seq, 'length', [])`; its FinishedSeq is thrown away, never reported")
 
 
 def cfg(**overrides: object) -> SchedulerConfig:
@@ -245,7 +243,7 @@ def test_br10_decode_gets_its_new_block_in_the_step_writing_the_blocks_first_pos
 
 
 @pytest.mark.parametrize(("max_steps_in_flight", "interleaving"), [
-    (2, "lazy"), (2, "eager"), pytest.param(1, "lazy", marks=pytest.mark.xfail(strict=True, reason=CAPACITY_BUG))])
+    (2, "lazy"), (2, "eager"), (1, "lazy")])
 @pytest.mark.parametrize(("num_kv_blocks", "prompt_len", "max_tokens", "fit"), BR10_TOO_LONG)
 def test_br10_request_longer_than_the_cache_stops_at_the_last_token_that_fits(
         num_kv_blocks: int, prompt_len: int, max_tokens: int, fit: int, max_steps_in_flight: int,
@@ -357,7 +355,7 @@ def test_br18_four_requests_in_eight_blocks_all_complete() -> None:
 
 @pytest.mark.parametrize(("prompt_len", "interleaving"), [
     (B, "lazy"), (B + 1, "lazy"), (B, "eager"),
-    pytest.param(B + 1, "eager", marks=pytest.mark.xfail(strict=True, reason=CAPACITY_BUG))])
+    (B + 1, "eager")])
 def test_br18_request_that_can_never_fit_ends_with_length(prompt_len: int, interleaving: str) -> None:
     prompt = synthetic_prompt(prompt_len, seed=110)
     engine = run([greedy(0, prompt, 156)], cfg(num_kv_blocks=8), max_steps=200,  # 2500 outputs, scaled

@@ -397,16 +397,14 @@ def test_requests_that_finish_at_prefill_release_everything(budget: int) -> None
 
 
 # ============================================================================ the cache's capacity
-CAPACITY_BUG = ("scheduler.py schedule(): a request stopped for lack of KV blocks with no token in flight is finished "
-                "with `self._finish(seq, 'length', [])`; its FinishedSeq is thrown away, never reported")
 
 
 @pytest.mark.parametrize(("prompt_len", "max_steps_in_flight", "interleaving"), [
     (16, 2, "lazy"),
     (17, 2, "lazy"),
     (16, 2, "eager"),
-    pytest.param(17, 2, "eager", marks=pytest.mark.xfail(strict=True, reason=CAPACITY_BUG)),
-    pytest.param(16, 1, "lazy", marks=pytest.mark.xfail(strict=True, reason=CAPACITY_BUG)),
+    (17, 2, "eager"),
+    (16, 1, "lazy"),
 ])
 def test_request_stopped_by_the_cache_capacity_is_reported_finished(
         prompt_len: int, max_steps_in_flight: int, interleaving: str) -> None:
@@ -473,8 +471,6 @@ class _StubRunner:
         return np.zeros(1, dtype=np.int32)
 
 
-@pytest.mark.xfail(strict=True, reason="workers/process.py serve(): `pending = launched if launched is not None "
-                   "else pending` keeps a step that was just finalized, so it is finalized and sent again")
 def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan with no rows (only finished ids) after a launched step: that step's result goes out once.
 

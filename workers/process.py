@@ -68,10 +68,10 @@ class WorkerProcess:
                     self._finish(pending)
                 return
             assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
-            launched = self.runner.execute(msg)
+            launched = self.runner.execute(msg)  # None for a plan with no rows (only finished ids)
             if pending is not None:
                 self._finish(pending)
-            pending = launched if launched is not None else pending
+            pending = launched
 
     def _finish(self, step: PendingStep) -> None:
         t0 = time.perf_counter()
