@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import time
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="client socket port")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
+    v.add_argument("--local-ranks", default=None,
+                   help="comma-separated worker ranks to start here (default: all); the others are started by hand "
+                        "on other hosts with the printed command (needs --transport tcp and a reachable --host)")
     return p
 
 
@@ -85,6 +89,11 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _print_worker_command(rank: int, argv: list[str]) -> None:
+    print(f"deltaserve: start worker rank {rank} on its host (same model path, a checkout of deltaserve) with:\n"
+          f"  {shlex.join(['python', *argv[1:]])}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,9 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.serve and not prompts:
         parser.error("give --prompt (one or more), or --serve")
     client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
+    local_ranks = None
+    if args.local_ranks is not None:
+        try:
+            local_ranks = [int(r) for r in args.local_ranks.split(",") if r.strip()]
+        except ValueError:
+            parser.error(f"--local-ranks must be comma-separated integers, got {args.local_ranks!r}")
     try:
-        engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host)
-    except ConfigError as exc:
+        engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
+                                 local_ranks=local_ranks, on_external_worker=_print_worker_command)
+    except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the engine like Ctrl-C does
     t0 = time.perf_counter()

@@ -38,9 +38,23 @@ class EngineDeadError(RuntimeError):
 
 class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
-                 host: str = "127.0.0.1") -> None:
-        """`config` is resolved here (raises `ConfigError` for an unusable model or setting)."""
+                 host: str = "127.0.0.1", local_ranks: list[int] | None = None,
+                 on_external_worker: Any = None) -> None:
+        """`config` is resolved here (raises `ConfigError` for an unusable model or setting).
+
+        `local_ranks`: the worker ranks started here (default: all). Every other rank is an external
+        worker, started by hand (e.g. on a second host) with the command `worker_command(rank)`;
+        `on_external_worker(rank, argv)` is called with it. External workers need `transport="tcp"`
+        and a `host` address the other host can reach.
+        """
         self.config = config.resolve()
+        tp = self.config.tensor_parallel_size
+        self.local_ranks = sorted(set(range(tp) if local_ranks is None else local_ranks))
+        if not set(self.local_ranks) <= set(range(tp)):
+            raise ValueError(f"local_ranks {self.local_ranks} must be in 0..{tp - 1}")
+        if len(self.local_ranks) < tp and transport != "tcp":
+            raise ValueError("workers started elsewhere need transport='tcp'")
+        self.on_external_worker = on_external_worker
         self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
         if client_address:
             self.endpoints = self.endpoints.with_client(client_address)
@@ -52,11 +66,19 @@ class EngineProcesses:
         self.closed = False
 
     # ------------------------------------------------------------------ start
+    def command(self, module: str, *extra: str) -> list[str]:
+        """The command line of one engine process (config and addresses as JSON arguments)."""
+        return [sys.executable, "-m", module, "--config", self.config.to_json(),
+                "--endpoints", json.dumps(self.endpoints.to_dict()), *extra]
+
+    def worker_command(self, rank: int) -> list[str]:
+        """What to run (from a checkout of this repository) to start worker `rank` by hand."""
+        return self.command("workers", "--rank", str(rank))
+
     def _spawn(self, name: str, module: str, *extra: str) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", module, "--config", self.config.to_json(),
-               "--endpoints", json.dumps(self.endpoints.to_dict()), "--parent-pid", str(os.getpid()), *extra]
+        cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)
         self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT)
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -68,10 +90,13 @@ class EngineProcesses:
         tp = self.config.tensor_parallel_size
         try:
             for rank in range(tp):
-                self._spawn(f"worker-tp{rank}", "workers", "--rank", str(rank))
+                if rank in self.local_ranks:
+                    self._spawn(f"worker-tp{rank}", "workers", "--rank", str(rank))
+                elif self.on_external_worker is not None:
+                    self.on_external_worker(rank, self.worker_command(rank))
             self._spawn("scheduler", "scheduler_proc")
             self._spawn("frontend", "frontend")
-            waiting = set(self.procs)
+            waiting = set(self.procs) | {f"worker-tp{r}" for r in range(tp)}
             deadline = time.monotonic() + timeout_s
             while waiting:
                 self._read_control(waiting, timeout_ms=200)
@@ -112,7 +137,7 @@ class EngineProcesses:
         parts = [f"{name} exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
                  for name, code in dead.items()]
         message = "; ".join(self.failures + parts) or "an engine process failed"
-        self.shutdown()
+        self.shutdown(timeout_s=2.0)  # survivors may be stuck in a collective with the dead: do not wait long
         raise error(f"{message}; the engine was shut down")
 
     def check(self) -> None:

@@ -30,6 +30,7 @@ from common.protocol import (
     FinishedSeq,
     InitKVCache,
     KVCacheReady,
+    Ping,
     ProcessFailed,
     ProcessReady,
     ProtocolError,
@@ -44,6 +45,7 @@ from common.protocol import (
 from scheduler_proc.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("deltaserve.scheduler")
+HEARTBEAT_S = 2.0  # an idle scheduler pings the workers this often
 
 
 class SchedulerProcess:
@@ -118,6 +120,7 @@ class SchedulerProcess:
         poller = zmq.Poller()
         poller.register(self.from_frontend, zmq.POLLIN)
         poller.register(self.from_workers, zmq.POLLIN)
+        self.last_sent = time.monotonic()
         while True:
             busy = sched.can_schedule() and (sched.waiting or sched.running or sched.finished_for_workers)
             events = dict(poller.poll(0 if busy else 1000))
@@ -139,6 +142,10 @@ class SchedulerProcess:
             finished = sched.take_finished()
             if finished:
                 ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
+            if time.monotonic() - self.last_sent > HEARTBEAT_S:  # idle: tell workers started elsewhere we live
+                for sock in self.to_workers:
+                    ipc.send(sock, Ping())
+                self.last_sent = time.monotonic()
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""
@@ -197,6 +204,7 @@ class SchedulerProcess:
         t1 = time.perf_counter()
         for sock in self.to_workers:
             sock.send(data, copy=False)
+        self.last_sent = time.monotonic()
         if self.step_log.enabled:
             self.step_log.write({
                 "step": plan.step_id, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),
@@ -215,6 +223,9 @@ class SchedulerProcess:
                       sched.block_manager.num_free_blocks)
 
     def close(self) -> None:
+        for sock in self.to_workers:  # best effort: lets workers started elsewhere exit at once
+            sock.setsockopt(zmq.LINGER, 500)
+            ipc.send(sock, Shutdown("scheduler stopped"))
         for sock in [self.control, self.from_frontend, self.from_workers, self.to_frontend, *self.to_workers]:
             sock.close()
         self.step_log.close()

@@ -20,17 +20,29 @@ import zmq
 from common import ipc
 from common.config import EngineConfig
 from common.proc import StepLog, maybe_profile, run_process, setup_process
-from common.protocol import InitKVCache, KVCacheReady, ProcessReady, Shutdown, StepPlan, StepResult, WorkerReady, i32
+from common.protocol import (
+    InitKVCache,
+    KVCacheReady,
+    Ping,
+    ProcessReady,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+    i32,
+)
 from workers.model_runner import ModelRunner, PendingStep
 from workers.parallel import destroy_tensor_parallel
 
 log = logging.getLogger("deltaserve.worker")
+SCHEDULER_SILENCE_S = 15.0  # a worker started by hand exits when the scheduler is silent this long
 
 
 class WorkerProcess:
-    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints, rank: int) -> None:
+    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints, rank: int, external: bool = False) -> None:
         self.config = config
         self.rank = rank
+        self.external = external  # started by hand (no launcher parent): watch the scheduler's heartbeat
         self.ctx = zmq.Context.instance()
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
@@ -52,6 +64,7 @@ class WorkerProcess:
 
     def serve(self) -> None:
         pending: PendingStep | None = None
+        last_heard = time.monotonic()
         while True:
             if pending is not None and not self.plans.poll(0):
                 if pending.ready():
@@ -62,6 +75,11 @@ class WorkerProcess:
                 continue
             msg = ipc.recv(self.plans, timeout_ms=1000)
             if msg is None:
+                if self.external and time.monotonic() - last_heard > SCHEDULER_SILENCE_S:
+                    raise RuntimeError(f"no word from the scheduler for {SCHEDULER_SILENCE_S:.0f} s: it is gone")
+                continue
+            last_heard = time.monotonic()
+            if isinstance(msg, Ping):
                 continue
             if isinstance(msg, Shutdown):
                 if pending is not None:
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_process(name, config.log_level, args.parent_pid)
 
     def body() -> None:
-        proc = WorkerProcess(config, endpoints, args.rank)
+        proc = WorkerProcess(config, endpoints, args.rank, external=args.parent_pid is None)
         try:
             with maybe_profile(config.profile_dir, f"{name}-{os.getpid()}"):
                 proc.start()

@@ -1,0 +1,94 @@
+"""Tensor parallelism on CPU: two worker processes joined by torch.distributed over gloo, the same
+code that runs over NCCL on GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, EngineConfig
+from deltaserve import LLM, SamplingParams
+from frontend.launcher import EngineDeadError, EngineProcesses
+from tests.conftest import REPO, make_tiny_checkpoint
+from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, hf_greedy, prompt_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp2_greedy_tokens_equal_tp1_and_transformers(arch: str, tiny_qwen3: Path, tiny_llama: Path,
+                                                      engine_factory) -> None:
+    """With a cache small enough to preempt, and a second pass that hits the prefix cache."""
+    model = tiny_qwen3 if arch == "qwen3" else tiny_llama
+    prompts = TEXT_PROMPTS + ID_PROMPTS
+    expected = [hf_greedy(str(model), tuple(ids)) for ids in prompt_ids(model)]
+    tp1 = engine_factory(model, block_size=8, max_model_len=1024, num_kvcache_blocks=40)
+    one = tp1.generate(prompts, GREEDY, use_tqdm=False)
+    tp1.shutdown()
+    tp2 = engine_factory(model, block_size=8, max_model_len=1024, num_kvcache_blocks=40, tensor_parallel_size=2)
+    two = tp2.generate(prompts, GREEDY, use_tqdm=False)
+    again = tp2.generate(prompts, GREEDY, use_tqdm=False)
+    for a, b, c, ref in zip(one, two, again, expected):
+        assert a["token_ids"] == b["token_ids"] == c["token_ids"] == ref
+    assert sum(o["metrics"]["num_preemptions"] for o in two) > 0
+    assert sum(o["num_cached_tokens"] for o in again) > 0
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory) -> None:
+    model = make_tiny_checkpoint("qwen3", tmp_path / "mqa", qwen3_tokenizer_dir, num_key_value_heads=1)
+    llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)
+    outs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
+    for ids, out in zip(prompt_ids(model), outs):
+        assert out["token_ids"] == hf_greedy(str(model), tuple(ids))
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_refused_at_start(tiny_qwen3: Path) -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide num_attention_heads 4"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=3)
+
+
+def test_a_killed_rank_brings_the_engine_down_within_seconds(tiny_qwen3: Path, engine_factory) -> None:
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256, tensor_parallel_size=2)
+    pids = {name: p.pid for name, p in llm.engine.procs.items()}
+    os.kill(pids["worker-tp1"], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker-tp1 exited with code -9"):
+        llm.generate(["still there?"] * 4, GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    time.sleep(1)
+    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+               for pid in pids.values())
+
+
+def test_a_worker_started_by_hand_joins_over_tcp(tiny_qwen3: Path) -> None:
+    """The multi-host recipe on one host: rank 1 is started from the command the launcher prints,
+    reaching the scheduler and the torch.distributed rendezvous over tcp:// addresses."""
+    started: list[subprocess.Popen] = []
+
+    def start_elsewhere(rank: int, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        started.append(subprocess.Popen(argv, cwd=REPO, env=env))
+
+    config = EngineConfig(model=str(tiny_qwen3), device="cpu", block_size=16, max_model_len=512,
+                          tensor_parallel_size=2)
+    engine = EngineProcesses(config, transport="tcp", local_ranks=[0], on_external_worker=start_elsewhere)
+    assert all(a.startswith("tcp://") for a in (engine.endpoints.client, engine.endpoints.dist_init,
+                                                 *engine.endpoints.plans))
+    from deltaserve import EngineClient
+
+    try:
+        engine.start()
+        assert set(engine.procs) == {"worker-tp0", "scheduler", "frontend"} and len(started) == 1
+        client = EngineClient(engine.endpoints.client, liveness=engine.check)
+        out = list(client.generate(ID_PROMPTS[1], GREEDY, stream=False))[-1]
+        client.close()
+        assert out.token_ids == hf_greedy(str(tiny_qwen3), tuple(ID_PROMPTS[1]))
+    finally:
+        engine.shutdown()
+        for p in started:  # the scheduler's goodbye ends the worker started by hand
+            assert p.wait(timeout=30) in (0, 1)
