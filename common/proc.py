@@ -3,6 +3,7 @@ signals, profiling, and reporting a fatal error before it exits."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import cProfile
 import ctypes
@@ -15,6 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -79,6 +81,40 @@ def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
     finally:
         prof.disable()
         prof.dump_stats(os.path.join(profile_dir, f"{name}.prof"))
+
+
+def engine_process_main(kind: str, description: str, factory: Callable[..., Any], argv: list[str] | None = None,
+                        with_rank: bool = False) -> None:
+    """The `main` of an engine process (`python -m frontend|scheduler_proc|workers`).
+
+    Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid` and, for
+    workers, `--rank`; builds the process with `factory(config, endpoints, args)`, then runs its
+    `start()`, `serve()` and `close()` under the optional profiler, reporting a failure to the launcher.
+    """
+    from common.config import EngineConfig
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON (socket and rendezvous addresses)")
+    if with_rank:
+        parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the launcher) ends")
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config)
+    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
+    name = f"{kind}-tp{args.rank}" if with_rank else kind
+    setup_process(name, config.log_level, args.parent_pid)
+
+    def body() -> None:
+        proc = factory(config, endpoints, args)
+        try:
+            with maybe_profile(config.profile_dir, f"{name}-{os.getpid()}"):
+                proc.start()
+                proc.serve()
+        finally:
+            proc.close()
+
+    run_process(name, endpoints.control, body)
 
 
 def run_process(name: str, control_address: str, body: Callable[[], None]) -> None:

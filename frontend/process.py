@@ -10,8 +10,6 @@ output naming the limit, and the others in the same message go ahead.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import time
@@ -24,7 +22,7 @@ import zmq
 
 from common import ipc
 from common.config import EngineConfig
-from common.proc import maybe_profile, run_process, setup_process
+from common.proc import engine_process_main
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -298,22 +296,5 @@ class FrontendProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="deltaserve frontend process (started by launch.py)")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
-    parser.add_argument("--parent-pid", type=int, default=None)
-    args = parser.parse_args(argv)
-    config = EngineConfig.from_json(args.config)
-    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
-    setup_process("frontend", config.log_level, args.parent_pid)
-
-    def body() -> None:
-        proc = FrontendProcess(config, endpoints)
-        try:
-            with maybe_profile(config.profile_dir, f"frontend-{os.getpid()}"):
-                proc.start()
-                proc.serve()
-        finally:
-            proc.close()
-
-    run_process("frontend", endpoints.control, body)
+    engine_process_main("frontend", "deltaserve frontend process (started by launch.py)",
+                        lambda config, endpoints, args: FrontendProcess(config, endpoints), argv)

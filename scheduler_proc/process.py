@@ -12,17 +12,14 @@ Loop (policy lives in `scheduler.py`, this file only moves messages):
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import time
 
 import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import StepLog, maybe_profile, run_process, setup_process
+from common.proc import StepLog, engine_process_main
 from common.protocol import (
     AbortSeqs,
     AddRequests,
@@ -232,22 +229,5 @@ class SchedulerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="deltaserve scheduler process (started by launch.py)")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
-    parser.add_argument("--parent-pid", type=int, default=None)
-    args = parser.parse_args(argv)
-    config = EngineConfig.from_json(args.config)
-    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
-    setup_process("scheduler", config.log_level, args.parent_pid)
-
-    def body() -> None:
-        proc = SchedulerProcess(config, endpoints)
-        try:
-            with maybe_profile(config.profile_dir, f"scheduler-{os.getpid()}"):
-                proc.start()
-                proc.serve()
-        finally:
-            proc.close()
-
-    run_process("scheduler", endpoints.control, body)
+    engine_process_main("scheduler", "deltaserve scheduler process (started by launch.py)",
+                        lambda config, endpoints, args: SchedulerProcess(config, endpoints), argv)

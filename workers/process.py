@@ -9,17 +9,14 @@ ahead. When no plan is waiting and the launched step has completed, it is finali
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import time
 
 import zmq
 
 from common import ipc
 from common.config import EngineConfig
-from common.proc import StepLog, maybe_profile, run_process, setup_process
+from common.proc import StepLog, engine_process_main
 from common.protocol import (
     InitKVCache,
     KVCacheReady,
@@ -109,24 +106,7 @@ class WorkerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="deltaserve worker process (one per device / TP rank)")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--endpoints", required=True, help="Endpoints as JSON")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--parent-pid", type=int, default=None)
-    args = parser.parse_args(argv)
-    config = EngineConfig.from_json(args.config)
-    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
-    name = f"worker-tp{args.rank}"
-    setup_process(name, config.log_level, args.parent_pid)
-
-    def body() -> None:
-        proc = WorkerProcess(config, endpoints, args.rank, external=args.parent_pid is None)
-        try:
-            with maybe_profile(config.profile_dir, f"{name}-{os.getpid()}"):
-                proc.start()
-                proc.serve()
-        finally:
-            proc.close()
-
-    run_process(name, endpoints.control, body)
+    engine_process_main(
+        "worker", "deltaserve worker process (one per device / tensor-parallel rank)",
+        lambda config, endpoints, args: WorkerProcess(config, endpoints, args.rank, external=args.parent_pid is None),
+        argv, with_rank=True)
