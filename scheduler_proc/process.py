@@ -220,9 +220,13 @@ class SchedulerProcess:
                       sched.block_manager.num_free_blocks)
 
     def close(self) -> None:
+        goodbye = encode(Shutdown("scheduler stopped"))
         for sock in self.to_workers:  # best effort: lets workers started elsewhere exit at once
             sock.setsockopt(zmq.LINGER, 500)
-            ipc.send(sock, Shutdown("scheduler stopped"))
+            try:
+                sock.send(goodbye, zmq.NOBLOCK)  # a bound PUSH socket with no worker left would block
+            except zmq.Again:
+                pass
         for sock in [self.control, self.from_frontend, self.from_workers, self.to_frontend, *self.to_workers]:
             sock.close()
         self.step_log.close()

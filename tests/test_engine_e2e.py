@@ -242,3 +242,13 @@ def test_a_killed_worker_brings_the_engine_down_with_a_clear_message(tiny_qwen3:
     assert not any(_alive(p) for p in pids.values())
     with pytest.raises(EngineDeadError):
         llm.generate(["again"], GREEDY8, use_tqdm=False)
+
+
+def test_shutdown_stops_every_process_promptly_without_sigkill(tiny_qwen3: Path) -> None:
+    llm = LLM(str(tiny_qwen3), device="cpu", block_size=16, max_model_len=256)
+    llm.generate(["warm up"], GREEDY8, use_tqdm=False)
+    procs = dict(llm.engine.procs)
+    t0 = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - t0 < 5
+    assert all(p.returncode != -signal.SIGKILL for p in procs.values()), {n: p.returncode for n, p in procs.items()}
