@@ -28,10 +28,19 @@ DEMO_PROMPTS = [
 ]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or a switch's off state (those are said in the help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="deltaserve: a multi-process LLM inference engine (frontend, scheduler and workers over ZeroMQ).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and engine (vLLM names)")
     g.add_argument("--model", default=None,
                    help="local Hugging Face folder of a Qwen3 or Llama checkpoint; default: the built-in "
@@ -59,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto = flash-attn if installed, else triton on GPU, torch on CPU")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off prefix caching")
+                   help="turn off prefix caching (on by default)")
     g.add_argument("--profile-dir", default=None, help="write a cProfile trace of every process here")
     g.add_argument("--log-level", default="WARNING", help="DEBUG shows one timing line per step and process")
     s = p.add_argument_group("requests (one-shot mode)")
@@ -72,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = p.add_argument_group("serving")
     v.add_argument("--serve", action="store_true", help="serve clients until interrupted (Ctrl-C / SIGTERM)")
     v.add_argument("--host", default="127.0.0.1", help="address the client socket binds to")
-    v.add_argument("--port", type=int, default=8000, help="client socket port")
+    v.add_argument("--port", type=int, default=8000, help="client socket port (1..65535)")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
     v.add_argument("--local-ranks", default=None,
@@ -115,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = args.prompt or (DEMO_PROMPTS if demo else [])
     if not args.serve and not prompts:
         parser.error("give --prompt (one or more), or --serve")
+    if args.serve and args.prompt:
+        parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
     client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
     local_ranks = None
     if args.local_ranks is not None:
@@ -125,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         parser.error(str(exc))
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the engine like Ctrl-C does
+    # Ctrl-C and SIGTERM stop the engine, also when started from a script that ignores SIGINT.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
     try:
-        info = engine.start()
-        if info.get("warning"):
-            print(f"warning: {info['warning']}", file=sys.stderr)
+        info = engine.start()  # a capacity warning, if any, was logged by the scheduler
         if args.serve:
             print(f"deltaserve: serving {model} on {engine.endpoints.client} "
                   f"({info['num_kv_blocks']} KV blocks of {info['block_size']} tokens); Ctrl-C to stop", flush=True)

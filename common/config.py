@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCa
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,8 @@ class EngineConfig:
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model must be a folder path, got {self.model!r}")
         object.__setattr__(self, "model", os.fspath(self.model))
+        if os.path.isfile(self.model):
+            raise ConfigError(f"model {self.model!r} is a file: give the checkpoint's folder")
         if not os.path.isdir(self.model):
             raise ConfigError(f"model folder {self.model!r} does not exist (models load from local folders)")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -82,6 +85,12 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"tokenizer folder {self.tokenizer!r} does not exist")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -21,3 +21,9 @@ def step_log_dir() -> str | None:
     `<dir>/<process name>.jsonl` (scheduler: planning; workers: input preparation, device time,
     device idle time before the step)."""
     return os.environ.get("DELTASERVE_STEP_LOG_DIR") or None
+
+
+def client_silence_s() -> float:
+    """DELTASERVE_CLIENT_SILENCE_S: seconds after which a client that sends nothing (waiting clients
+    ping every 2 s) counts as gone and its requests are aborted (default 60)."""
+    return float(os.environ.get("DELTASERVE_CLIENT_SILENCE_S", "60"))

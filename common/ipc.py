@@ -76,9 +76,13 @@ class Endpoints:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago (the OS picks it). Raises `ValueError` for a host that
+    cannot be bound here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            raise ValueError(f"cannot open a port on host {host!r}: {exc}") from None
         return s.getsockname()[1]
 
 

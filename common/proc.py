@@ -47,6 +47,7 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the clean-up
     raise SystemExit(128 + signum)
 
 
@@ -113,6 +114,8 @@ def engine_process_main(kind: str, description: str, factory: Callable[..., Any]
                 proc.serve()
         finally:
             proc.close()
+            if args.parent_pid is not None and os.getppid() != args.parent_pid:
+                endpoints.cleanup()  # the launcher died first (e.g. SIGKILL): leave no socket folder behind
 
     run_process(name, endpoints.control, body)
 

@@ -365,7 +365,7 @@ def decode(data: bytes) -> Any:
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several types for garbage
-        raise ProtocolError(f"not a msgpack message: {exc}") from None
+        raise ProtocolError(f"not a msgpack message ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, list) or len(obj) < 2:
         raise ProtocolError("a message must be an array [version, type, fields...]")
     version, name, *values = obj

@@ -57,6 +57,7 @@ class EngineClient:
         self._info: EngineInfo | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._last_ping = 0.0
 
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -73,10 +74,13 @@ class EngineClient:
         """Wait for one message and file it; False on timeout. Raises `EngineConnectionError`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last_heard = time.monotonic()
-        last_ping = last_heard
         while True:
             if self.liveness is not None:
                 self.liveness()
+            now = time.monotonic()
+            if now - self._last_ping > self.ping_interval_s:  # also tells the frontend this client still listens
+                ipc.send(self.sock, Ping(int(now)))
+                self._last_ping = now
             if self.sock.poll(100):
                 msg = decode(self.sock.recv())
                 if isinstance(msg, RequestOutputs):
@@ -96,9 +100,6 @@ class EngineClient:
             if now - last_heard > self.dead_after_s:
                 raise EngineConnectionError(f"no answer from the engine at {self.address} for "
                                             f"{self.dead_after_s:.0f} s")
-            if now - last_ping > self.ping_interval_s:
-                ipc.send(self.sock, Ping(int(now)))
-                last_ping = now
 
     def recv_outputs(self, timeout_s: float | None = None) -> list[RequestOutput]:
         """The next outputs (any of this client's requests); [] after `timeout_s` seconds."""
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                 ignore_eos=args.ignore_eos)
     except ValueError as exc:
         p.error(str(exc))
+    if args.address is None and not 0 < args.port < 65536:
+        p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"
     client = EngineClient(address, dead_after_s=args.timeout)
     try:

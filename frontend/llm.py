@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -70,9 +71,11 @@ class LLM:
         longer than max_model_len) fails alone; the others run. Raises `TypeError` for prompts of
         the wrong type and `EngineDeadError` if an engine process dies.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        prompts = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -86,10 +89,13 @@ class LLM:
             req = GenerateRequest(self.client.new_request_id(), sampling=sp.to_dict(), stream=False)
             if isinstance(prompt, str):
                 req.prompt = prompt
-            elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                req.prompt_token_ids = list(prompt)
+            elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in prompt):
+                req.prompt_token_ids = [int(t) for t in prompt]
             else:
-                raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+                bad = next((t for t in prompt if not isinstance(t, numbers.Integral)), prompt) \
+                    if isinstance(prompt, Sequence) else prompt
+                raise TypeError(f"a prompt must be a str or a sequence of integer token ids; got {bad!r}")
             requests.append(req)
         index = {r.request_id: i for i, r in enumerate(requests)}
         results: list[dict[str, Any] | None] = [None] * len(requests)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from common import ipc
+from common import envs, ipc
 from common.config import EngineConfig
 from common.proc import engine_process_main
 from common.protocol import (
@@ -54,7 +54,10 @@ log = logging.getLogger("deltaserve.frontend")
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises several types for a folder without a tokenizer
+        raise RuntimeError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(tok, "is_fast", False):
         raise RuntimeError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
     return tok
@@ -105,6 +108,8 @@ class FrontendProcess:
         self.from_scheduler = ipc.make_socket(self.ctx, zmq.PULL, endpoints.frontend_in, bind=True)
         self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.scheduler_in, bind=False)
         self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True)
+        self.last_seen: dict[bytes, float] = {}  # client identity -> time.monotonic() of its last message
+        self.client_silence_s = envs.client_silence_s()
         self.client_address = endpoints.client
         self.requests: dict[int, RequestState] = {}  # by seq_id
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
@@ -135,8 +140,12 @@ class FrontendProcess:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)
+        next_check = time.monotonic() + 1.0
         while True:
             events = dict(poller.poll(1000))
+            if time.monotonic() > next_check:
+                self._abort_silent_clients()
+                next_check = time.monotonic() + 1.0
             if self.from_scheduler in events:
                 for raw in ipc.recv_all(self.from_scheduler):
                     self._handle_scheduler(raw)
@@ -153,7 +162,22 @@ class FrontendProcess:
     def _reply(self, client: bytes, msg: object) -> None:
         self.clients.send_multipart([client, encode(msg)])
 
+    def _abort_silent_clients(self) -> None:
+        """Abort the requests of clients silent for `envs.client_silence_s()`: waiting clients ping every
+        2 s, so such a client has gone away (crashed, or closed its socket) without aborting."""
+        now = time.monotonic()
+        gone = {c for c, t in self.last_seen.items() if now - t > self.client_silence_s}
+        if not gone:
+            return
+        seq_ids = [seq for (c, _), seq in self.by_client.items() if c in gone]
+        for c in gone:
+            del self.last_seen[c]
+        if seq_ids:
+            log.warning("%d clients went silent: aborting their %d requests", len(gone), len(seq_ids))
+            ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
+
     def _handle_client(self, client: bytes, raw: bytes) -> None:
+        self.last_seen[client] = time.monotonic()
         try:
             msg = decode(raw)
         except ProtocolError as exc:

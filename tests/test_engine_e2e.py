@@ -17,7 +17,7 @@ import zmq
 
 from common.config import ConfigError
 from common.ipc import free_port
-from common.protocol import ErrorReply, GenerateRequest, decode, encode
+from common.protocol import ErrorReply, GenerateRequest, Submit, decode, encode
 from deltaserve import LLM, EngineClient, SamplingParams
 from frontend.launcher import EngineDeadError
 from tests.conftest import REPO, synthetic_prompt
@@ -252,3 +252,41 @@ def test_shutdown_stops_every_process_promptly_without_sigkill(tiny_qwen3: Path)
     llm.shutdown()
     assert time.monotonic() - t0 < 5
     assert all(p.returncode != -signal.SIGKILL for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+
+
+def test_requests_of_a_client_that_went_away_are_aborted(tiny_qwen3: Path, engine_factory,
+                                                         monkeypatch: pytest.MonkeyPatch, capfd) -> None:
+    monkeypatch.setenv("DELTASERVE_CLIENT_SILENCE_S", "2")
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=4096, log_level="WARNING")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(llm.engine.endpoints.client)
+    sock.send(encode(Submit([GenerateRequest("orphan", prompt="hello", stream=True,
+                                             sampling={"max_tokens": 4000, "ignore_eos": True})])))
+    assert sock.poll(30_000)  # it is running
+    sock.close()  # gone without an Abort
+    deadline = time.monotonic() + 20
+    err = ""
+    while "went silent: aborting their 1 requests" not in err and time.monotonic() < deadline:
+        time.sleep(0.5)
+        err += capfd.readouterr().err
+    assert "went silent: aborting their 1 requests" in err
+    assert len(llm.generate(["others are served"], GREEDY8, use_tqdm=False)[0]["token_ids"]) == 8
+
+
+def test_a_killed_launcher_takes_its_processes_and_socket_folder_with_it(tiny_qwen3: Path) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
+    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port",
+                               str(free_port()), "--device", "cpu", "--max-model-len", "256"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert "serving" in server.stdout.readline()
+    children = _children(server.pid)
+    run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+    server.kill()
+    server.wait()
+    deadline = time.monotonic() + 10
+    while (any(_alive(c) for c in children) or any(d.exists() for d in run_dirs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(c) for c in children)
+    assert run_dirs and not any(d.exists() for d in run_dirs)
