@@ -121,6 +121,10 @@ class EngineConfig:
             )
         model_max = int(getattr(hf, "max_position_embeddings", 0) or 0) or 4096
         max_model_len = self.max_model_len or model_max
+        window = getattr(hf, "sliding_window", None)
+        if arch == "MistralForCausalLM" and window and window < max_model_len:
+            raise ConfigError(f"sliding-window attention (window {window} < max_model_len {max_model_len}) is not "
+                              f"supported: set max_model_len <= {window}")
         if max_model_len > model_max:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
         tp = self.tensor_parallel_size

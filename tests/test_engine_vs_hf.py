@@ -93,3 +93,19 @@ def test_triton_backend_matches_transformers_under_the_interpreter(tiny_qwen3: P
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompt_ids(tiny_qwen3)[1:2] + ID_PROMPTS[1:3], outputs):
         assert out["token_ids"] == hf_greedy(str(tiny_qwen3), tuple(ids))[:16]
+
+
+def test_mistral_checkpoint_without_a_sliding_window_runs_as_llama(tmp_path: Path, qwen3_tokenizer_dir: Path,
+                                                                     engine_factory) -> None:
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(5)
+    cfg = MistralConfig(vocab_size=151669, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                        sliding_window=None, initializer_range=0.5)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(qwen3_tokenizer_dir).save_pretrained(tmp_path)
+    llm = engine_factory(tmp_path, block_size=16, max_model_len=512)
+    outputs = llm.generate(ID_PROMPTS, GREEDY, use_tqdm=False)
+    for ids, out in zip(ID_PROMPTS, outputs):
+        assert out["token_ids"] == hf_greedy(str(tmp_path), tuple(ids))
