@@ -22,6 +22,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
+from common.limits import prompt_limit_error
 from common.proc import engine_process_main
 from common.protocol import (
     Abort,
@@ -221,25 +222,13 @@ class FrontendProcess:
         if (client, req.request_id) in self.by_client:
             raise ValueError(f"request id {req.request_id!r} is already in use by a live request")
         params = SamplingParams.from_dict(req.sampling)
-        ids = encode_prompt(self.tokenizer, req)
-        n = len(ids)
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one prompt token is needed")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be integers")
+        ids = encode_prompt(self.tokenizer, req)  # ints: the protocol checked given ids on decode
         arr = np.asarray(ids, dtype=np.int64)
-        vocab = self.config.vocab_size
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {arr.min()}, max {arr.max()}")
-        if n >= max_len:
-            raise ValueError(f"the prompt has {n} tokens but max_model_len is {max_len}: "
-                             "a prompt must be shorter than max_model_len to leave room for output")
-        blocks = -(-n // self.block_size)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(f"the prompt has {n} tokens and needs {blocks} KV-cache blocks of {self.block_size} "
-                             f"tokens, but the whole cache has only {self.num_kv_blocks} blocks")
+        assert self.config.max_model_len is not None
+        error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
+                                   self.config.vocab_size)
+        if error is not None:
+            raise ValueError(error)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -249,7 +238,8 @@ class FrontendProcess:
         engine_req = EngineRequest(seq_id, i32(arr), float(params.temperature), params.max_tokens, params.seed,
                                    sorted(stop_ids), now)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        return engine_req, RequestState(client, req.request_id, seq_id, params, n, detok, now, stream=req.stream)
+        return engine_req, RequestState(client, req.request_id, seq_id, params, len(ids), detok, now,
+                                        stream=req.stream)
 
     # ------------------------------------------------------------------ scheduler outputs
     def _handle_scheduler(self, raw: bytes) -> None:
@@ -291,9 +281,8 @@ class FrontendProcess:
             out.num_cached_tokens = fin.num_cached_tokens
             out.metrics["num_preemptions"] = fin.num_preemptions
             per_client[st.client].append(out)
-        for st in touched.values():
-            if st.stream:
-                per_client[st.client].append(self._output(st, now, finished=False))
+        for st in touched.values():  # streaming requests that got tokens and go on
+            per_client[st.client].append(self._output(st, now, finished=False))
         for client, outputs in per_client.items():
             self._reply(client, RequestOutputs(outputs))
 

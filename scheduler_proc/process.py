@@ -105,7 +105,12 @@ class SchedulerProcess:
         log.info("scheduler ready: %d KV blocks of %d tokens", num_blocks, cfg.block_size)
 
     def _recv_worker(self) -> object:
-        msg = ipc.recv(self.from_workers)
+        return self._worker_message(self.from_workers.recv())
+
+    @staticmethod
+    def _worker_message(raw: bytes) -> object:
+        """A worker's message; a worker's failure report ends the scheduler with its reason."""
+        msg = decode(raw)  # workers are ours: a malformed message is a fatal bug
         if isinstance(msg, ProcessFailed):
             raise RuntimeError(f"{msg.name} failed: {msg.error}")
         return msg
@@ -166,9 +171,7 @@ class SchedulerProcess:
             if finished:
                 ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
         elif isinstance(msg, Shutdown):
-            for sock in self.to_workers:
-                ipc.send(sock, Shutdown("scheduler stopped"))
-            return True
+            return True  # close() says goodbye to the workers
         else:
             log.error("unexpected %s from the frontend", type(msg).__name__)
         return False
@@ -176,9 +179,7 @@ class SchedulerProcess:
     def _handle_worker(self, raw: bytes) -> None:
         sched = self.scheduler
         assert sched is not None
-        msg = decode(raw)  # workers are ours: a malformed message is a fatal bug
-        if isinstance(msg, ProcessFailed):
-            raise RuntimeError(f"{msg.name} failed: {msg.error}")
+        msg = self._worker_message(raw)
         if not isinstance(msg, StepResult):
             log.error("unexpected %s from a worker", type(msg).__name__)
             return

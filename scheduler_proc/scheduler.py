@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.limits import prompt_limit_error
 from common.protocol import (
     EngineRequest,
     FinishedSeq,
@@ -82,24 +83,12 @@ class Scheduler:
     def check_request(self, req: EngineRequest) -> str | None:
         """Why `req` can never run, or None. Limits are named in the message."""
         cfg = self.config
-        n = len(req.prompt_token_ids)
         if req.seq_id in self.seqs:
             return f"duplicate sequence id {req.seq_id}"
-        if n == 0:
-            return "the prompt is empty: at least one prompt token is needed"
-        if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len}: "
-                    f"a prompt must be shorter than max_model_len to leave room for output")
-        needed = self.block_manager.blocks_needed(n)
-        if needed > cfg.num_kv_blocks:
-            return (f"the prompt has {n} tokens and needs {needed} KV-cache blocks of {cfg.block_size} "
-                    f"tokens, but the whole cache has only {cfg.num_kv_blocks} blocks")
-        ids = req.prompt_token_ids
-        if cfg.vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-            return f"prompt token ids must be in [0, {cfg.vocab_size})"
         if req.max_tokens < 1 or req.temperature < 0:
             return "max_tokens must be >= 1 and temperature >= 0"
-        return None
+        return prompt_limit_error(req.prompt_token_ids, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
+                                  cfg.vocab_size)
 
     def abort(self, seq_ids: list[int]) -> list[FinishedSeq]:
         """End these requests (unknown or already finished ids are ignored)."""

@@ -341,7 +341,7 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, torch.Tensor]]:
         """Copy the step's inputs to the device (into the graph's static buffers for a graph step)."""
         dev = self.device
-        t, b, s = len(inputs.positions), len(inputs.rows), len(inputs.sampling_rows)
+        b = len(inputs.rows)
         width = max(1, inputs.num_blocks_used)
 
         def up(buf: torch.Tensor, arr: np.ndarray) -> torch.Tensor:
@@ -382,7 +382,6 @@ class ModelRunner:
             slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
             max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len, is_decode=inputs.is_decode,
             query_start_loc_cpu=inputs.query_start_loc, seq_lens_cpu=inputs.seq_lens)
-        del t, s
         return input_ids, positions, meta, dev_idx
 
     def _sample(self, inputs: StepInputs, host: HostBuffers, hidden: torch.Tensor,
