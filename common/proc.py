@@ -51,18 +51,33 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def parent_gone(parent_pid: int) -> bool:
+    """Whether the launcher `parent_pid` has died. A parent killed but not yet reaped is still our
+    parent (a zombie), so its /proc state is read too."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Exit if `parent_pid` goes away: PR_SET_PDEATHSIG on Linux, plus a polling thread."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
+    if parent_gone(parent_pid):  # the parent died before prctl took effect
         os._exit(1)
 
     def watch() -> None:
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent_pid:
+            if parent_gone(parent_pid):
+                # The clean path first (sockets closed, socket folder removed), as PR_SET_PDEATHSIG does.
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5.0)
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -114,7 +129,7 @@ def engine_process_main(kind: str, description: str, factory: Callable[..., Any]
                 proc.serve()
         finally:
             proc.close()
-            if args.parent_pid is not None and os.getppid() != args.parent_pid:
+            if args.parent_pid is not None and parent_gone(args.parent_pid):
                 endpoints.cleanup()  # the launcher died first (e.g. SIGKILL): leave no socket folder behind
 
     run_process(name, endpoints.control, body)
