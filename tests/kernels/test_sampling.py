@@ -55,6 +55,44 @@ def test_same_seed_same_token_and_bf16_logits() -> None:
     assert torch.equal(sample_tokens(logits, torch.zeros(8, device=DEVICE), seeds), logits.float().argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [10, 37, 300])
+def test_token_does_not_depend_on_the_chunk_size(vocab: int) -> None:
+    # 37 and 300 leave a partial last chunk for every chunk size below; 10 fits in one chunk.
+    torch.manual_seed(5)
+    logits = (torch.randn(6, vocab) * 3).to(DEVICE)
+    logits[1, ::4] = float("-inf")
+    logits[2, 1::3] = float("nan")
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 3.0], device=DEVICE)
+    seeds = (torch.arange(6, dtype=torch.int64) * 977 + 5).to(DEVICE)
+    whole_row = sample_tokens(logits, temps, seeds, chunk_size=512)
+    for chunk_size in (16, 32, 64, 128, None):
+        assert torch.equal(sample_tokens(logits, temps, seeds, chunk_size=chunk_size), whole_row), chunk_size
+    assert torch.equal(whole_row[[0, 4]], logits[[0, 4]].argmax(-1))
+
+
+def test_ties_across_chunks_take_the_lowest_index() -> None:
+    logits = torch.zeros(3, 64, device=DEVICE)
+    logits[0, [40, 20, 63]] = 5.0  # best in chunks 1, 2 and 3 of 16 entries
+    logits[1, [15, 16]] = 5.0  # either side of the first chunk boundary
+    logits[2, :] = float("-inf")
+    logits[2, [17, 48]] = float("inf")  # an infinite score ties even with Gumbel noise added
+    temps = torch.tensor([0.0, 0.0, 1.0], device=DEVICE)
+    seeds = torch.arange(3, dtype=torch.int64, device=DEVICE)
+    assert sample_tokens(logits, temps, seeds, chunk_size=16).tolist() == [20, 15, 17]
+
+
+def test_partial_last_chunk_and_vocab_smaller_than_a_chunk() -> None:
+    logits = torch.zeros(4, 50, device=DEVICE)
+    logits[0, 49] = 1.0  # in the last chunk, which holds only entries 48 and 49
+    logits[1, 48] = 1.0
+    logits[2, :] = float("nan")  # nothing can win in any chunk
+    logits[3, 3] = 1.0
+    temps, seeds = torch.zeros(4, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    assert sample_tokens(logits, temps, seeds, chunk_size=16).tolist() == [49, 48, 0, 3]
+    assert sample_tokens(logits, temps, seeds, chunk_size=64).tolist() == [49, 48, 0, 3]
+    assert sample_tokens(logits[:, :5], temps, seeds, chunk_size=16).tolist() == [0, 0, 0, 3]
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         sample_tokens(torch.zeros(3, device=DEVICE), torch.zeros(3, device=DEVICE),
@@ -62,3 +100,6 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         sample_tokens(torch.zeros(2, 5, device=DEVICE), torch.zeros(3, device=DEVICE),
                       torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError):
+        sample_tokens(torch.zeros(2, 5, device=DEVICE), torch.zeros(2, device=DEVICE),
+                      torch.zeros(2, dtype=torch.int64, device=DEVICE), chunk_size=24)
