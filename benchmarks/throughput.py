@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
 
-    step_dir = tempfile.mkdtemp(prefix="deltaserve-steps-")
+    # The per-step timing logs stay where DELTASERVE_STEP_LOG_DIR points, if set (for later analysis).
+    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-steps-")
     os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
     from deltaserve import LLM, SamplingParams
 

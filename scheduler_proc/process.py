@@ -205,7 +205,7 @@ class SchedulerProcess:
         self.last_sent = time.monotonic()
         if self.step_log.enabled:
             self.step_log.write({
-                "step": plan.step_id, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),
+                "step": plan.step_id, "t_sent": t1, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),
                 "new": len(plan.new_requests), "resumed": len(plan.resumed_requests),
                 "prefill_chunks": len(plan.prefill_seq_ids), "decodes": len(plan.decode_seq_ids),
                 "preempted": len(plan.preempted_seq_ids), "finished": len(plan.finished_seq_ids),

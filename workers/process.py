@@ -91,7 +91,9 @@ class WorkerProcess:
     def _finish(self, step: PendingStep) -> None:
         t0 = time.perf_counter()
         tokens = self.runner.finalize(step)
-        step.timings["wait_ms"] = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        step.timings["wait_ms"] = (t1 - t0) * 1e3
+        step.timings["t_done"] = t1  # time.perf_counter() is one clock for every process of the host
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
         self.step_log.write({"step": step.step_id, **step.timings})
