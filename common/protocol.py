@@ -348,8 +348,13 @@ def _to_wire(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [_to_wire(getattr(value, name)) for name, _ in _HINTS[type(value)]]
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALARS for v in value):  # e.g. 100k prompt token ids: no per-item call
+            return value
         return [_to_wire(v) for v in value]
     return value
+
+
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def encode(msg: Any) -> bytes:
@@ -408,6 +413,8 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
         (item,) = typing.get_args(hint)
+        if item in (int, str) and all(type(v) is item for v in value):  # the common case, checked in one pass
+            return value
         return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):

@@ -89,6 +89,8 @@ class LLM:
             req = GenerateRequest(self.client.new_request_id(), sampling=sp.to_dict(), stream=False)
             if isinstance(prompt, str):
                 req.prompt = prompt
+            elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
+                req.prompt_token_ids = prompt
             elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                       for t in prompt):
                 req.prompt_token_ids = [int(t) for t in prompt]
