@@ -26,7 +26,10 @@ _MAX_SPLITS = 16
 _MIN_TOKENS_PER_SPLIT = 256
 
 
-@triton.jit
+# The block-table stride is the step's block-table width, different from step to step: specializing on it
+# (Triton compiles separate variants for 1, multiples of 16 and the rest) compiled a new variant in the middle
+# of a run, over a second of host time.
+@triton.jit(do_not_specialize=["stride_block_table"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,

@@ -18,7 +18,10 @@ from kernels.paged_attention import (
 )
 
 
-@triton.jit
+# The block-table stride is the step's block-table width, different from step to step: specializing on it
+# (Triton compiles separate variants for 1, multiples of 16 and the rest) compiled a new variant in the middle
+# of a run, over a second of host time.
+@triton.jit(do_not_specialize=["stride_block_table"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
