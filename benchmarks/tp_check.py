@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--hf-reference", action="store_true",
+                    help="also compare both runs with transformers bf16 and print its logit margin where they diverge")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = random.Random(1)
@@ -66,6 +68,17 @@ def main() -> None:
         summary.update(tokens_per_s={"1": one["tokens_per_s"], str(args.tp): many["tokens_per_s"]}, speedup=speedup)
         print(f"throughput TP=1 {one['tokens_per_s']:.0f} tok/s, TP={args.tp} {many['tokens_per_s']:.0f} tok/s: "
               f"{speedup:.2f}x")
+    if args.hf_reference:
+        import torch
+
+        from benchmarks.gpu_correctness import compare_tokens, hf_reference
+
+        ref = hf_reference(args.model, prompts, torch.bfloat16, "sdpa", "cuda")
+        for name, run_ in (("TP=1", one), (f"TP={args.tp}", many)):
+            cmp = compare_tokens(run_["greedy"], ref)
+            summary[f"vs_transformers_{name}"] = cmp
+            print(f"{name} vs transformers bf16: {cmp['identical']}/{len(prompts)} identical over 16 tokens; "
+                  f"transformers' logit margin where they diverge: {sorted(cmp['margins_at_divergence'])}")
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
