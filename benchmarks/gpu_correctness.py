@@ -10,7 +10,9 @@ For 32 prompts of mixed lengths (token ids, seed 0) on a Qwen3-shaped checkpoint
 3. The floor of that comparison: two correct bf16 implementations, transformers with its SDPA
    attention and with its eager attention, compared the same way. Where a run diverges from the
    reference, the reference's own logit margin between the two tokens at that step is printed:
-   a margin below the logit noise of bf16 (row 3's first-step error) is a near-tie, not a bug.
+   a margin no larger than the floor's largest first-step logit difference is a near-tie: bf16
+   logits are coarse (steps of 1/64 near 2.0), so with random weights exact ties are common and
+   any reordering of a sum flips some of them.
 
     python benchmarks/gpu_correctness.py --model DIR [--backends triton flash-attn torch] [--json FILE]
 """
@@ -164,15 +166,20 @@ def main() -> None:
             tokens = our_greedy(args.model, prompts, backend, eager, args.device, args.dtype)
             add(f"deltaserve {backend}, {mode}", tokens, logits)
 
-    print(f"\nreference: transformers {args.dtype} (SDPA attention); logit std at the first step {logit_std:.3f}")
-    print(f"{'run':<45} {'16 tokens identical':>20} {'first-step rel err':>19} {'max abs':>8}  "
+    # Two correct implementations differ by up to this much in a logit: a smaller margin is a near-tie.
+    noise = rows[0]["first_step_max_abs_err"]
+    print(f"\nreference: transformers {args.dtype} (SDPA attention); logit std at the first step {logit_std:.3f}; "
+          f"near-tie: a margin <= {noise:.4f} (the floor's largest first-step logit difference)")
+    print(f"{'run':<45} {'16 tokens identical':>20} {'or near-tie':>11} {'first-step rel err':>19} {'max abs':>8}  "
           f"reference's margin where it diverged")
     for r in rows:
         if "error" in r:
             print(f"{r['run']:<45} cannot run: {r['error'][:80]}")
             continue
         pct = 100 * r["identical"] / len(prompts)
-        print(f"{r['run']:<45} {r['identical']:>6}/{len(prompts)} ({pct:5.1f}%) {r['first_step_rel_err_max']:>19.2e} "
+        r["identical_or_near_tie"] = r["identical"] + sum(m <= noise for m in r["margins_at_divergence"])
+        print(f"{r['run']:<45} {r['identical']:>6}/{len(prompts)} ({pct:5.1f}%) {r['identical_or_near_tie']:>11} "
+              f"{r['first_step_rel_err_max']:>19.2e} "
               f"{r['first_step_max_abs_err']:>8.3f}  {sorted(r['margins_at_divergence'])}")
     if args.json:
         with open(args.json, "w") as f:
