@@ -41,12 +41,39 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Stores this step's k/v into the paged cache, then computes causal attention of q over the
     whole cached context of each sequence (so prefix-cache hits and earlier prefill chunks are
-    read from the cache like any other context)."""
+    read from the cache like any other context).
+
+    `forward` is `store` then `attend`. A model whose k/v for this step were already written into
+    the cache by a fused kernel (`kernels/rope_kv_store.py`) calls `attend` alone.
+    """
 
     name: ClassVar[str] = ""
     supports_cuda_graphs: ClassVar[bool] = False
 
     @abstractmethod
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Write k/v `[T, Hk, D]` into the caches `[num_blocks, block_size, Hk, D]` at `meta.slot_mapping`
+        (slots of -1 are skipped)."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q `[T, Hq, D]` over caches `[num_blocks, block_size, Hk, D]` that already hold this step's
+        k/v -> out `[T, Hq, D]` in q's dtype. Hq must be a multiple of Hk (grouped-query attention)."""
+
     def forward(
         self,
         q: torch.Tensor,
@@ -58,4 +85,6 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hk, D]`, caches `[num_blocks, block_size, Hk, D]` -> out `[T, Hq, D]`
-        in q's dtype. Hq must be a multiple of Hk (grouped-query attention)."""
+        in q's dtype: `store` then `attend`."""
+        self.store(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)

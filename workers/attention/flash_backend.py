@@ -78,8 +78,10 @@ class FlashAttention4Backend(AttentionBackend):
 
         self._varlen = flash_attn_varlen_func
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
                            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
                            page_table=meta.block_tables, softmax_scale=scale, causal=True)
@@ -96,8 +98,10 @@ class FlashAttention2Backend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)

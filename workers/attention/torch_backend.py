@@ -31,12 +31,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
         lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
         out = torch.zeros_like(q)
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // k_cache.shape[2]
         for b in range(len(lens)):
             start, end, seq_len = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
             n = end - start

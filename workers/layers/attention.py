@@ -2,7 +2,9 @@
 
 It reshapes q/k/v into heads and hands them, with this layer's slice of the KV cache and the
 step's `AttentionMetadata`, to the worker's attention backend (torch, Triton or FlashAttention),
-which stores k/v into the cache by slot mapping and attends over the cached context.
+which stores k/v into the cache by slot mapping and attends over the cached context. `attend`
+skips the store, for a model whose fused kernel already wrote this step's k/v into `k_cache` and
+`v_cache` (`kernels/rope_kv_store.py`).
 """
 
 from __future__ import annotations
@@ -33,3 +35,9 @@ class Attention(nn.Module):
             q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d),
             self.k_cache, self.v_cache, meta, self.scale)
         return out.view(-1, self.num_heads * d)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q `[T, Hq, D]`, with this step's k/v already in `k_cache`/`v_cache` -> `[T, Hq*D]`."""
+        assert self.backend is not None, "the model runner binds a backend before the first forward"
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.view(-1, self.num_heads * self.head_dim)
