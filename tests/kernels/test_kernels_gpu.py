@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import paged_attention_decode, paged_attention_prefill, store_kvcache  # noqa: E402
+from kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
 
 from .test_paged_attention import i32, make_paged_kv, reference_attention, relative_error  # noqa: E402
+from .test_rope_kv_store import EPS, assert_matches_unfused, cos_sin_table, make_case, unfused  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,3 +127,64 @@ def test_decode_replayed_from_a_cuda_graph_matches_eager() -> None:
         keys = [k[:n] for k, n in zip(kv.keys, lengths, strict=True)]
         values = [v[:n] for v, n in zip(kv.values, lengths, strict=True)]
         assert_close_bf16(replayed, reference_attention(q, keys, values, [1] * batch, SCALE))
+
+
+@pytest.mark.parametrize("has_norm", [True, False], ids=["qk-norm", "rope-only"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_qk_norm_rope_store_bf16_matches_the_unfused_layers(has_norm: bool, block_size: int) -> None:
+    """256 tokens of which every third is padding; eager torch is the reference (bit for bit
+    without QK-norm, nearly every element bit-equal with it: see test_rope_kv_store.py)."""
+    num_tokens, num_blocks = 256, 1024 // block_size
+    qkv, positions, _, q_weight, k_weight, slots = make_case(
+        num_tokens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, has_norm, num_blocks, block_size, seed=0)
+    qkv, positions, slots = qkv.cuda(), positions.cuda(), slots.cuda()
+    q_weight, k_weight = (w.cuda() if w is not None else None for w in (q_weight, k_weight))
+    cos_sin = cos_sin_table(HEAD_DIM, base=1e6).cuda()
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+
+    q = qk_norm_rope_store(qkv, positions, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots,
+                           NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+
+    ref_q = unfused(qkv, positions, cos_sin, q_weight, k_weight, ref_k_cache, ref_v_cache, slots, NUM_Q_HEADS,
+                    NUM_KV_HEADS, HEAD_DIM)
+    assert_matches_unfused(q, ref_q, has_norm)
+    assert_matches_unfused(k_cache, ref_k_cache, has_norm)
+    assert torch.equal(v_cache.nan_to_num(7.0), ref_v_cache.nan_to_num(7.0))
+
+
+def test_qk_norm_rope_store_replayed_from_a_cuda_graph_matches_eager() -> None:
+    num_tokens, block_size, num_blocks = 64, 16, 16
+    qkv, positions, cos_sin, q_weight, k_weight, slots = (
+        t.cuda() for t in make_case(num_tokens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, True,
+                                    num_blocks, block_size, seed=1))
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def step() -> torch.Tensor:
+        return qk_norm_rope_store(qkv, positions, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots,
+                                  NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out = step()
+
+    for seed in range(3):
+        new = make_case(num_tokens, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, True, num_blocks,
+                        block_size, seed=10 + seed)
+        for static, fresh in zip((qkv, positions, cos_sin, q_weight, k_weight, slots), new):
+            static.copy_(fresh)
+        k_cache.zero_()
+        v_cache.zero_()
+        graph.replay()
+        replayed = (q_out.clone(), k_cache.clone(), v_cache.clone())
+        k_cache.zero_()
+        v_cache.zero_()
+        eager = (step(), k_cache, v_cache)
+        for a, b in zip(replayed, eager):
+            assert torch.equal(a, b)

@@ -1,26 +1,51 @@
-"""`torch.compile` for the small element-wise layers (RMSNorm, SiLU-and-mul, RoPE) on CUDA.
+"""Fused kernels on CUDA: `torch.compile` for the small element-wise layers (RMSNorm, SiLU-and-mul,
+RoPE), and the switch for hand-written Triton fusions (`kernels/rope_kv_store.py`).
 
-Each of these is several element-wise torch ops; compiled, each becomes one fused kernel, which
-matters at decode where a step runs hundreds of tiny kernels. On CPU, or when the worker runs
-eagerly (`enforce_eager`), the plain function runs: nothing is compiled.
+Each of these layers is several element-wise torch ops; compiled, each becomes one fused kernel,
+which matters at decode where a step runs hundreds of tiny kernels. On CPU, or when the worker
+runs eagerly (`enforce_eager`), the plain functions run: nothing is compiled or fused. Tests can
+force the Triton fusions on CPU tensors (under `TRITON_INTERPRET=1`) with `force_fused_kernels`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable)
 _enabled = False
+_forced = False
 
 
 def enable_compilation(enabled: bool) -> None:
     """Set once by the model runner: compile on CUDA unless `enforce_eager`."""
     global _enabled
     _enabled = enabled
+
+
+def fused_kernels_enabled(x: torch.Tensor) -> bool:
+    """Whether a Triton fusion replaces the unfused layers for tensor `x`: compilation is on and `x`
+    is on a GPU, or the fusions are forced (tests)."""
+    return _forced or (_enabled and x.is_cuda)
+
+
+@contextlib.contextmanager
+def force_fused_kernels() -> Iterator[None]:
+    """Within the block, use the Triton fusions whatever the device (tests).
+
+    On CPU the kernels run under the Triton interpreter, so `TRITON_INTERPRET=1` must be set
+    before `kernels` is first imported.
+    """
+    global _forced
+    saved, _forced = _forced, True
+    try:
+        yield
+    finally:
+        _forced = saved
 
 
 def fused(fn: F) -> F:

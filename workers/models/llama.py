@@ -3,6 +3,8 @@
 Matches `transformers`' LlamaForCausalLM on the same weights: pre-norm decoder layers, RoPE,
 grouped-query attention, SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused
 matmuls; `packed_modules_mapping` tells the loader which checkpoint tensor fills which part.
+When the fused kernels are on (CUDA, not `enforce_eager`), QK-norm, RoPE and the KV-cache store
+run as one Triton kernel (`kernels/rope_kv_store.py`) between the qkv projection and attention.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from workers.attention.base import AttentionMetadata
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.fused import fused_kernels_enabled
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -44,13 +47,31 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """positions `[T]` int64, x `[T, hidden_size]` -> `[T, hidden_size]`; stores this step's k/v."""
+        qkv = self.qkv_proj(x)
+        if fused_kernels_enabled(qkv):
+            return self.o_proj(self.attn.attend(self._norm_rope_store_fused(positions, qkv, meta), meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
+
+    def _norm_rope_store_fused(self, positions: torch.Tensor, qkv: torch.Tensor,
+                               meta: AttentionMetadata) -> torch.Tensor:
+        """qkv `[T, (Hq + 2*Hk) * D]` -> q `[T, Hq, D]` normed and rotated; k normed, rotated and v
+        stored into this layer's KV cache; one kernel, same numbers as the unfused path."""
+        from kernels import qk_norm_rope_store  # Triton is imported only where it runs
+
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.qk_norm:  # q_norm and k_norm share the config's rms_norm_eps
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, q_weight, k_weight, eps,
+                                  self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, self.num_heads,
+                                  self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):
