@@ -330,8 +330,9 @@ class ModelRunner:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
         t2 = time.perf_counter()
-        timings = {"t_start": t0, "prepare_ms": (t1 - t0) * 1e3, "launch_ms": (t2 - t1) * 1e3, "tokens": len(inputs.positions),
-                   "rows": len(inputs.rows), "decode": inputs.is_decode, "graph": graph_bs or 0}
+        timings = {"t_start": t0, "prepare_ms": (t1 - t0) * 1e3, "launch_ms": (t2 - t1) * 1e3,
+                   "tokens": len(inputs.positions), "rows": len(inputs.rows), "decode": inputs.is_decode,
+                   "graph": graph_bs or 0}
         step = PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings, started, ended,
                            self._last_step_end)
         self._last_step_end = ended
