@@ -28,7 +28,33 @@ SMALL = dict(max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16], kv_cache_memory
 def _flash_available() -> bool:
     from workers.attention import flash_backend
 
-    return flash_backend.usable(torch.device("cuda"), torch.bfloat16, 128, 16)
+    return flash_backend.usable(torch.device("cuda"), torch.bfloat16, 64, 16)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_hd64(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3 with head_dim 64, the smallest FlashAttention-4 runs."""
+    from tests.conftest import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3-hd64"), qwen3_tokenizer_dir,
+                                hidden_size=128, head_dim=64)
+
+
+def hf_bf16_greedy_with_logits(model_dir: Path, prompts: list[list[int]], num_tokens: int
+                               ) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers bf16 on the GPU: greedy tokens and the logits `[num_tokens, vocab]` along that path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    result = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device="cuda")
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens,
+                                 min_new_tokens=num_tokens, do_sample=False, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+            result.append((out.sequences[0, len(ids):].tolist(), torch.stack([s[0].float() for s in out.logits])))
+    return result
 
 
 BACKENDS = ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not _flash_available(),
@@ -46,17 +72,25 @@ def test_fp32_on_gpu_matches_transformers_exactly(tiny_qwen3: Path, engine_facto
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_bf16_backends_follow_transformers(tiny_qwen3: Path, engine_factory, backend: str, block_size: int) -> None:
-    """bf16 rounding may legitimately flip a late near-tie: the first 8 tokens must match (scenarios.md)."""
-    llm = engine_factory(tiny_qwen3, device="cuda", dtype="bfloat16", attention_backend=backend,
+def test_bf16_backends_follow_transformers(tiny_qwen3_hd64: Path, engine_factory, backend: str,
+                                           block_size: int) -> None:
+    """In bf16 two correct implementations may break a near-tie differently (sums in another order),
+    and every later token then differs. So: each prompt's tokens equal transformers' bf16 tokens, or at
+    the first step where they differ, transformers' own logits rate our token within 2% of the largest
+    logit of its choice (the first-step logit tolerance of issue 3)."""
+    llm = engine_factory(tiny_qwen3_hd64, device="cuda", dtype="bfloat16", attention_backend=backend,
                          block_size=block_size, max_model_len=1024, max_num_batched_tokens=128, **SMALL)
-    outputs = llm.generate(TEXT_PROMPTS + ID_PROMPTS, GREEDY, use_tqdm=False)
-    agree = 0
-    for ids, out in zip(prompt_ids(tiny_qwen3), outputs):
-        ref = hf_greedy(str(tiny_qwen3), tuple(ids))
-        assert out["token_ids"][:8] == ref[:8]
-        agree += out["token_ids"] == ref
-    assert agree >= len(outputs) // 2
+    prompts = prompt_ids(tiny_qwen3_hd64)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for ids, out, (ref, ref_logits) in zip(prompts, outputs, hf_bf16_greedy_with_logits(
+            tiny_qwen3_hd64, prompts, GREEDY.max_tokens)):
+        ours = out["token_ids"]
+        if ours == ref:
+            continue
+        step = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        logits = ref_logits[step]
+        margin = (logits[ref[step]] - logits[ours[step]]).item()
+        assert margin <= 2e-2 * logits.abs().max().item(), (len(ids), step, margin)
 
 
 def _runner(model: Path, enforce_eager: bool, backend: str = "triton"):
@@ -72,7 +106,7 @@ def _runner(model: Path, enforce_eager: bool, backend: str = "triton"):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cuda_graph_padding_rows_never_touch_real_requests(tiny_qwen3: Path, backend: str) -> None:
+def test_cuda_graph_padding_rows_never_touch_real_requests(tiny_qwen3_hd64: Path, backend: str) -> None:
     """Decode at batch 3 replays the batch-4 graph. The padding row's buffer entries are poisoned with
     the real requests' block ids and positions: tokens and every real KV block must equal eager mode."""
     prompts = [synthetic_prompt(n, seed=n) for n in (20, 33, 47)]
@@ -82,16 +116,17 @@ def test_cuda_graph_padding_rows_never_touch_real_requests(tiny_qwen3: Path, bac
     plans += [StepPlan(s, decode_seq_ids=i32([0, 1, 2])) for s in range(1, 12)]
     results = {}
     for eager in (True, False):
-        runner = _runner(tiny_qwen3, enforce_eager=eager, backend=backend)
+        runner = _runner(tiny_qwen3_hd64, enforce_eager=eager, backend=backend)
         if not eager:
             assert runner.graphs, "graphs were not captured"
         tokens = []
         for plan in plans:
             if not eager:  # poison everything a padding row could use
                 g = runner.graph_inputs
-                g["block_tables"][3:, :4] = torch.tensor(blocks[0], dtype=torch.int32, device="cuda")
-                g["input_ids"][3:] = 12345
-                g["positions"][3:] = 40
+                with torch.inference_mode():  # the graph's buffers are inference tensors
+                    g["block_tables"][3:, :4] = torch.tensor(blocks[0], dtype=torch.int32, device="cuda")
+                    g["input_ids"][3:] = 12345
+                    g["positions"][3:] = 40
             step = runner.execute(plan)
             tokens.append(runner.finalize(step).tolist())
             if not eager and plan.step_id > 0:
