@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                    help="worker processes (one per device) to split the model over")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto = flash-attn if installed, else triton on GPU, torch on CPU")
+                   help="auto = triton on GPU (faster than FlashAttention-4 on an H200), torch on CPU")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--profile-dir", default=None, help="write a cProfile trace of every process here")
