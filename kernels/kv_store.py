@@ -47,6 +47,22 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
 
 
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> None:
+    """Raise `ValueError` unless both caches are contiguous `[num_blocks, block_size, num_kv_heads,
+    head_dim]` tensors of `dtype` and the same shape."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} {tuple(cache.shape)} must be [num_blocks, block_size, {num_kv_heads}, "
+                             f"{head_dim}]")
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if cache.dtype != dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from the model's {dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+
+
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -75,16 +91,7 @@ def store_kvcache(
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be equal 3-d shapes")
     num_tokens, num_kv_heads, head_dim = key.shape
-    expected_cache_tail = (num_kv_heads, head_dim)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or tuple(cache.shape[2:]) != expected_cache_tail:
-            raise ValueError(
-                f"{name} {tuple(cache.shape)} must be [num_blocks, block_size, {num_kv_heads}, {head_dim}]"
-            )
-        if not cache.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if cache.dtype != key.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} differs from key dtype {key.dtype}")
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, key.dtype)
     if value.dtype != key.dtype:
         raise ValueError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import check_kv_cache
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -209,16 +211,7 @@ def qk_norm_rope_store(
                                    or not weight.is_contiguous()):
             raise ValueError(f"{name} {weight.dtype} {tuple(weight.shape)} must be contiguous {qkv.dtype} "
                              f"[{head_dim}]")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"{name} {tuple(cache.shape)} must be [num_blocks, block_size, {num_kv_heads}, "
-                             f"{head_dim}]")
-        if not cache.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if cache.dtype != qkv.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} differs from qkv dtype {qkv.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype)
     tensors = {"positions": positions, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache,
                "slot_mapping": slot_mapping, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight}
     for name, tensor in tensors.items():

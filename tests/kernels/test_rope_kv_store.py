@@ -84,27 +84,35 @@ def make_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
     return qkv, positions, cos_sin_table(head_dim), q_weight, k_weight, slots
 
 
+def compare_with_unfused(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         has_norm: bool, num_blocks: int, block_size: int, seed: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the fused kernel and the unfused layers on one random case (NaN-poisoned caches); assert they
+    agree; return the fused run's (k_cache, v_cache, slot_mapping)."""
+    qkv, positions, cos_sin, q_weight, k_weight, slots = make_case(
+        num_tokens, num_heads, num_kv_heads, head_dim, dtype, has_norm, num_blocks, block_size, seed=seed)
+    k_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    q = qk_norm_rope_store(qkv, positions, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots,
+                           num_heads, num_kv_heads, head_dim)
+    ref_q = unfused(qkv, positions, cos_sin, q_weight, k_weight, ref_k_cache, ref_v_cache, slots,
+                    num_heads, num_kv_heads, head_dim)
+    assert_matches_unfused(q, ref_q, has_norm)
+    assert_matches_unfused(k_cache, ref_k_cache, has_norm)
+    assert torch.equal(v_cache.nan_to_num(7.0), ref_v_cache.nan_to_num(7.0))
+    return k_cache, v_cache, slots
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("has_norm", [True, False], ids=["qk-norm", "rope-only"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_fused_equals_unfused_norm_rope_and_store(dtype: torch.dtype, has_norm: bool, num_heads: int,
                                                   num_kv_heads: int, block_size: int) -> None:
-    head_dim, num_tokens, num_blocks = 64, 13, 6
-    qkv, positions, cos_sin, q_weight, k_weight, slots = make_case(
-        num_tokens, num_heads, num_kv_heads, head_dim, dtype, has_norm, num_blocks, block_size, seed=block_size)
-    k_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-
-    q = qk_norm_rope_store(qkv, positions, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots,
-                           num_heads, num_kv_heads, head_dim)
-
-    ref_q = unfused(qkv, positions, cos_sin, q_weight, k_weight, ref_k_cache, ref_v_cache, slots,
-                    num_heads, num_kv_heads, head_dim)
-    assert_matches_unfused(q, ref_q, has_norm)
-    assert_matches_unfused(k_cache, ref_k_cache, has_norm)
-    assert torch.equal(v_cache.nan_to_num(7.0), ref_v_cache.nan_to_num(7.0))
+    head_dim, num_blocks = 64, 6
+    k_cache, v_cache, slots = compare_with_unfused(13, num_heads, num_kv_heads, head_dim, dtype, has_norm,
+                                                   num_blocks, block_size, seed=block_size)
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     written[slots[slots >= 0]] = True
     for cache in (k_cache, v_cache):
@@ -131,21 +139,7 @@ def test_each_head_tiling_gives_the_same_result(heads_per_program: int) -> None:
 
 
 def test_head_dim_that_is_not_a_power_of_two_is_masked() -> None:
-    num_heads, num_kv_heads, head_dim, block_size = 3, 1, 48, 4
-    qkv, positions, cos_sin, q_weight, k_weight, slots = make_case(
-        5, num_heads, num_kv_heads, head_dim, torch.bfloat16, True, 3, block_size, seed=4)
-    k_cache = poisoned_cache(3, block_size, num_kv_heads, head_dim, torch.bfloat16)
-    v_cache = k_cache.clone()
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-
-    q = qk_norm_rope_store(qkv, positions, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots,
-                           num_heads, num_kv_heads, head_dim)
-
-    ref_q = unfused(qkv, positions, cos_sin, q_weight, k_weight, ref_k_cache, ref_v_cache, slots,
-                    num_heads, num_kv_heads, head_dim)
-    assert_matches_unfused(q, ref_q, True)
-    assert_matches_unfused(k_cache, ref_k_cache, True)
-    assert torch.equal(v_cache.nan_to_num(7.0), ref_v_cache.nan_to_num(7.0))
+    compare_with_unfused(5, 3, 1, 48, torch.bfloat16, True, 3, 4, seed=4)
 
 
 def test_reads_rows_of_a_wider_buffer() -> None:
