@@ -61,27 +61,45 @@ def load_tokenizer(path: str) -> Any:
         raise RuntimeError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(tok, "is_fast", False):
         raise RuntimeError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
+    if len(tok) < 2:  # transformers builds an empty tokenizer for a folder without tokenizer files
+        raise RuntimeError(f"no tokenizer in {path} (tokenizer.json, or vocab and merges files): "
+                           f"pass --tokenizer DIR")
     return tok
 
 
-def encode_prompt(tokenizer: Any, req: GenerateRequest) -> list[int]:
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters any one token can stand for: a text longer than `max_model_len` times this
+    has more than `max_model_len` tokens, so it is refused before it is tokenized."""
+    return max(1, max(len(t) for t in tokenizer.get_vocab()))
+
+
+def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
     """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages`, or given ids.
 
-    Raises `ValueError` if not exactly one of the three is set or one is malformed.
+    Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
+    refuses the messages, or a text is longer than `max_chars` characters (checked before tokenizing).
     """
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise ValueError(f"a request needs exactly one of prompt, prompt_token_ids, messages; got {given or 'none'}")
-    if req.prompt is not None:
-        return list(tokenizer(req.prompt)["input_ids"])
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
-    messages = req.messages
-    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                               and isinstance(m.get("content"), str) for m in messages):
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if req.prompt is not None:
+        text, special = req.prompt, True
+    else:
+        messages = req.messages
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
+            raise ValueError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from None
+        special = False
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"the prompt has {len(text)} characters: more than max_model_len tokens for sure "
+                         f"(at most {max_chars} characters can fit)")
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 @dataclass
@@ -121,6 +139,8 @@ class FrontendProcess:
         self.eos_token_ids = sorted(eos)
         self.num_kv_blocks = 0
         self.block_size = config.block_size
+        assert config.max_model_len is not None
+        self.max_prompt_chars = config.max_model_len * longest_token_chars(self.tokenizer)
         self.ready_info: dict[str, Any] = {}
 
     def start(self) -> None:
@@ -212,6 +232,13 @@ class FrontendProcess:
             self.requests[state.seq_id] = state
             self.by_client[(client, req.request_id)] = state.seq_id
             accepted.append(engine_req)
+        if rejected and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
+            why = f"not run: request {rejected[0].request_id!r} of the same all-or-nothing submission was rejected"
+            for engine_req in accepted:
+                state = self.requests.pop(engine_req.seq_id)
+                del self.by_client[(client, state.request_id)]
+                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why))
+            accepted = []
         if accepted:
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
@@ -222,8 +249,11 @@ class FrontendProcess:
         if (client, req.request_id) in self.by_client:
             raise ValueError(f"request id {req.request_id!r} is already in use by a live request")
         params = SamplingParams.from_dict(req.sampling)
-        ids = encode_prompt(self.tokenizer, req)  # ints: the protocol checked given ids on decode
-        arr = np.asarray(ids, dtype=np.int64)
+        ids = encode_prompt(self.tokenizer, req, self.max_prompt_chars)  # ints: the protocol checked given ids
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except OverflowError:
+            raise ValueError("a token id does not fit in 64 bits: out of the vocabulary") from None
         assert self.config.max_model_len is not None
         error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
                                    self.config.vocab_size)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from common import ipc
 from common.config import ConfigError
 from common.ipc import free_port
 from common.protocol import ErrorReply, GenerateRequest, Submit, decode, encode
@@ -94,6 +95,65 @@ def test_invalid_sampling_parameters_are_refused(llm: LLM) -> None:
         assert outs["e"].error is None and len(outs["e"].token_ids) >= 1
     finally:
         client.close()
+
+
+def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
+    """A token id past 64 bits, messages the chat template raises on, and a text longer than
+    max_model_len tokens could ever hold (refused before tokenizing): errors for those requests only."""
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        bad = [GenerateRequest("a", prompt_token_ids=[5, 2**63]),
+               GenerateRequest("b", messages=[{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "x", "tool_calls": 5}]),
+               GenerateRequest("c", prompt="hello " * 20_000),
+               GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
+        client.submit(bad)
+        outs = {}
+        while len(outs) < len(bad):
+            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        assert "64 bits" in outs["a"].error
+        assert "chat template" in outs["b"].error
+        assert "characters" in outs["c"].error
+        assert outs["d"].error is None and len(outs["d"].token_ids) == 2
+    finally:
+        client.close()
+    assert llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["finish_reason"] == "length"
+
+
+def test_an_all_or_nothing_submission_with_one_bad_request_runs_none(llm: LLM) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        ipc.send(client.sock, Submit([GenerateRequest("good", prompt="hi", sampling={"max_tokens": 2}),
+                                      GenerateRequest("bad", prompt="")], all_or_nothing=True))
+        outs = {}
+        while len(outs) < 2:
+            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        assert outs["bad"].finish_reason == outs["good"].finish_reason == "error"
+        assert "all-or-nothing" in outs["good"].error and not outs["good"].token_ids
+    finally:
+        client.close()
+
+
+def test_two_generate_iterators_of_one_client_can_be_read_in_turn(llm: LLM) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        g1, g2 = client.generate("a", sp, stream=True), client.generate("b", sp, stream=True)
+        first1, first2 = next(g1), next(g2)
+        rest1 = list(g1)  # used to wait forever: g2 held g1's outputs
+        rest2 = list(g2)
+        assert sum(len(o.token_ids) for o in [first1, *rest1]) == 6
+        assert sum(len(o.token_ids) for o in [first2, *rest2]) == 6
+    finally:
+        client.close()
+
+
+def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from frontend.process import load_tokenizer
+
+    (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
+    with pytest.raises(RuntimeError, match="tokenizer"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_unknown_model_folder_is_a_clear_error(tmp_path: Path) -> None:
