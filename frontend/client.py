@@ -54,6 +54,7 @@ class EngineClient:
         self.ping_interval_s = ping_interval_s
         self.dead_after_s = dead_after_s
         self._pending: deque[RequestOutput] = deque()
+        self._streams: dict[str, deque[RequestOutput]] = {}  # request id -> outputs waiting for its generate()
         self._info: EngineInfo | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -135,18 +136,21 @@ class EngineClient:
             req.messages = list(prompt)  # type: ignore[arg-type]
         else:
             req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
+        box = self._streams[rid] = deque()
         self.submit([req])
         finished = False
-        others: list[RequestOutput] = []  # outputs of other requests, kept for their reader
+        others: list[RequestOutput] = []  # outputs of requests no generate() owns, kept for recv_outputs()
         try:
             while not finished:
-                for out in self.recv_outputs():
-                    if out.request_id != rid:
-                        others.append(out)
-                        continue
-                    finished = out.finished
-                    yield out
+                if not box:  # whoever reads first files each output under its request's iterator
+                    for out in self.recv_outputs():
+                        self._streams.get(out.request_id, others).append(out)
+                    continue
+                out = box.popleft()
+                finished = out.finished
+                yield out
         finally:
+            del self._streams[rid]
             self._pending.extendleft(reversed(others))
             if not finished:
                 self.abort([rid])
