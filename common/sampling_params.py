@@ -43,8 +43,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids
         ):
