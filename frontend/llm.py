@@ -69,10 +69,9 @@ class LLM:
         "error"), `error` (why a request was rejected, else None), `num_prompt_tokens`,
         `num_cached_tokens` and `metrics` (ttft_s, e2e_s). A rejected request (e.g. empty, or
         longer than max_model_len) fails alone; the others run. Raises `TypeError` for prompts of
-        the wrong type, `EngineDeadError` if an engine process dies, and `RuntimeError` after `shutdown()`.
+        the wrong type, and `EngineDeadError` if an engine process dies or after `shutdown()`.
         """
-        if self.engine.closed:
-            raise RuntimeError("this LLM has been shut down; create a new one")
+        self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
