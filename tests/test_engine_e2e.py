@@ -35,6 +35,14 @@ def llm(tiny_qwen3: Path):
 
 
 # ----------------------------------------------------------------------------- bad input, one request at a time
+def finished_outputs(client: EngineClient, count: int) -> dict:
+    """Wait for `count` finished requests of `client`; request id -> its final output."""
+    outs = {}
+    while len(outs) < count:
+        outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+    return outs
+
+
 def test_empty_prompt_fails_alone_and_the_others_are_served(llm: LLM, tiny_qwen3: Path) -> None:
     outs = llm.generate(["hello", "", "world"], GREEDY8, use_tqdm=False)
     assert outs[1]["finish_reason"] == "error" and "empty" in outs[1]["error"]
@@ -85,9 +93,7 @@ def test_invalid_sampling_parameters_are_refused(llm: LLM) -> None:
                GenerateRequest("d", prompt="hi", prompt_token_ids=[1, 2]),
                GenerateRequest("e", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
         client.submit(bad)
-        outs = {}
-        while len(outs) < len(bad):
-            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        outs = finished_outputs(client, len(bad))
         assert "max_tokens" in outs["a"].error
         assert "temperature" in outs["b"].error
         assert "tempurature" in outs["c"].error
@@ -108,9 +114,7 @@ def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
                GenerateRequest("c", prompt="hello " * 20_000),
                GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
         client.submit(bad)
-        outs = {}
-        while len(outs) < len(bad):
-            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        outs = finished_outputs(client, len(bad))
         assert "64 bits" in outs["a"].error
         assert "chat template" in outs["b"].error
         assert "characters" in outs["c"].error
@@ -125,9 +129,7 @@ def test_an_all_or_nothing_submission_with_one_bad_request_runs_none(llm: LLM) -
     try:
         ipc.send(client.sock, Submit([GenerateRequest("good", prompt="hi", sampling={"max_tokens": 2}),
                                       GenerateRequest("bad", prompt="")], all_or_nothing=True))
-        outs = {}
-        while len(outs) < 2:
-            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        outs = finished_outputs(client, 2)
         assert outs["bad"].finish_reason == outs["good"].finish_reason == "error"
         assert "all-or-nothing" in outs["good"].error and not outs["good"].token_ids
     finally:
