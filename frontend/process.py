@@ -50,6 +50,9 @@ from common.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("deltaserve.frontend")
+# While validating a long submission, clients hear a Pong this often (seconds), so that their silence
+# timeout (20 s by default) does not take a busy frontend for a dead one.
+KEEPALIVE_S = 0.5
 
 
 def load_tokenizer(path: str) -> Any:
@@ -164,9 +167,6 @@ class FrontendProcess:
         next_check = time.monotonic() + 1.0
         while True:
             events = dict(poller.poll(1000))
-            if time.monotonic() > next_check:
-                self._abort_silent_clients()
-                next_check = time.monotonic() + 1.0
             if self.from_scheduler in events:
                 for raw in ipc.recv_all(self.from_scheduler):
                     self._handle_scheduler(raw)
@@ -179,6 +179,9 @@ class FrontendProcess:
                     except ValueError:  # not two frames: nothing to answer to
                         continue
                     self._handle_client(client, raw)
+            if time.monotonic() > next_check:  # after reading: pings queued behind a long submission count
+                self._abort_silent_clients()
+                next_check = time.monotonic() + 1.0
 
     def _reply(self, client: bytes, msg: object) -> None:
         self.clients.send_multipart([client, encode(msg)])
@@ -223,7 +226,12 @@ class FrontendProcess:
     def _submit(self, client: bytes, msg: Submit) -> None:
         accepted: list[EngineRequest] = []
         rejected: list[RequestOutput] = []
+        beat = time.monotonic()
         for req in msg.requests:
+            if time.monotonic() - beat > KEEPALIVE_S:  # a long batch: tell waiting clients this engine lives
+                beat = time.monotonic()
+                for waiting in self.last_seen:
+                    self._reply(waiting, Pong(0))
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:

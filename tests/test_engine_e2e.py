@@ -150,6 +150,21 @@ def test_two_generate_iterators_of_one_client_can_be_read_in_turn(llm: LLM) -> N
         client.close()
 
 
+def test_a_frontend_busy_with_a_long_submission_is_not_taken_for_dead(llm: LLM) -> None:
+    """8,000 texts (each too long for max_model_len 256, so rejected after tokenizing) keep the frontend busy
+    for seconds; keep-alive Pongs stop a client with a 1.5 s silence limit from giving up."""
+    client = EngineClient(llm.engine.endpoints.client, dead_after_s=1.5)
+    text = "lorem ipsum dolor sit amet " * 120
+    try:
+        t0 = time.monotonic()
+        client.submit([GenerateRequest(str(i), prompt=f"{i} {text}") for i in range(8000)])
+        outs = finished_outputs(client, 8000)
+        assert time.monotonic() - t0 > 1.5, "the submission was too quick to test anything"
+        assert all("max_model_len" in o.error for o in outs.values())
+    finally:
+        client.close()
+
+
 def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
     from frontend.process import load_tokenizer
 
