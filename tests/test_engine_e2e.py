@@ -35,12 +35,19 @@ def llm(tiny_qwen3: Path):
 
 
 # ----------------------------------------------------------------------------- bad input, one request at a time
-def finished_outputs(client: EngineClient, count: int) -> dict:
-    """Wait for `count` finished requests of `client`; request id -> its final output."""
-    outs = {}
-    while len(outs) < count:
-        outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
-    return outs
+def submit_and_wait(llm: LLM, requests: list[GenerateRequest], all_or_nothing: bool = False,
+                    **client_kwargs: object) -> dict:
+    """Send `requests` in one Submit from a fresh client, as a client that skips `LLM`'s own checks
+    would; wait until all finish; request id -> its final output."""
+    client = EngineClient(llm.engine.endpoints.client, **client_kwargs)
+    try:
+        ipc.send(client.sock, Submit(requests, all_or_nothing=all_or_nothing))
+        outs = {}
+        while len(outs) < len(requests):
+            outs.update({o.request_id: o for o in client.recv_outputs(timeout_s=30) if o.finished})
+        return outs
+    finally:
+        client.close()
 
 
 def test_empty_prompt_fails_alone_and_the_others_are_served(llm: LLM, tiny_qwen3: Path) -> None:
@@ -85,55 +92,39 @@ def test_invalid_sampling_parameters_are_refused(llm: LLM) -> None:
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     # The same values sent over the wire by a client that skips validation: an error for that request.
-    client = EngineClient(llm.engine.endpoints.client)
-    try:
-        bad = [GenerateRequest("a", prompt="hi", sampling={"max_tokens": -3}),
-               GenerateRequest("b", prompt="hi", sampling={"temperature": -1.0}),
-               GenerateRequest("c", prompt="hi", sampling={"tempurature": 1.0}),
-               GenerateRequest("d", prompt="hi", prompt_token_ids=[1, 2]),
-               GenerateRequest("e", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
-        client.submit(bad)
-        outs = finished_outputs(client, len(bad))
-        assert "max_tokens" in outs["a"].error
-        assert "temperature" in outs["b"].error
-        assert "tempurature" in outs["c"].error
-        assert "exactly one of" in outs["d"].error
-        assert outs["e"].error is None and len(outs["e"].token_ids) >= 1
-    finally:
-        client.close()
+    outs = submit_and_wait(llm, [GenerateRequest("a", prompt="hi", sampling={"max_tokens": -3}),
+                                 GenerateRequest("b", prompt="hi", sampling={"temperature": -1.0}),
+                                 GenerateRequest("c", prompt="hi", sampling={"tempurature": 1.0}),
+                                 GenerateRequest("d", prompt="hi", prompt_token_ids=[1, 2]),
+                                 GenerateRequest("e", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})])
+    assert "max_tokens" in outs["a"].error
+    assert "temperature" in outs["b"].error
+    assert "tempurature" in outs["c"].error
+    assert "exactly one of" in outs["d"].error
+    assert outs["e"].error is None and len(outs["e"].token_ids) >= 1
 
 
 def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
     """A token id past 64 bits, messages the chat template raises on, and a text longer than
     max_model_len tokens could ever hold (refused before tokenizing): errors for those requests only."""
-    client = EngineClient(llm.engine.endpoints.client)
-    try:
-        bad = [GenerateRequest("a", prompt_token_ids=[5, 2**63]),
-               GenerateRequest("b", messages=[{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "x", "tool_calls": 5}]),
-               GenerateRequest("c", prompt="hello " * 20_000),
-               GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})]
-        client.submit(bad)
-        outs = finished_outputs(client, len(bad))
-        assert "64 bits" in outs["a"].error
-        assert "chat template" in outs["b"].error
-        assert "characters" in outs["c"].error
-        assert outs["d"].error is None and len(outs["d"].token_ids) == 2
-    finally:
-        client.close()
+    outs = submit_and_wait(llm, [GenerateRequest("a", prompt_token_ids=[5, 2**63]),
+                                 GenerateRequest("b", messages=[{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "x",
+                                                                 "tool_calls": 5}]),
+                                 GenerateRequest("c", prompt="hello " * 20_000),
+                                 GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})])
+    assert "64 bits" in outs["a"].error
+    assert "chat template" in outs["b"].error
+    assert "characters" in outs["c"].error
+    assert outs["d"].error is None and len(outs["d"].token_ids) == 2
     assert llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["finish_reason"] == "length"
 
 
 def test_an_all_or_nothing_submission_with_one_bad_request_runs_none(llm: LLM) -> None:
-    client = EngineClient(llm.engine.endpoints.client)
-    try:
-        ipc.send(client.sock, Submit([GenerateRequest("good", prompt="hi", sampling={"max_tokens": 2}),
-                                      GenerateRequest("bad", prompt="")], all_or_nothing=True))
-        outs = finished_outputs(client, 2)
-        assert outs["bad"].finish_reason == outs["good"].finish_reason == "error"
-        assert "all-or-nothing" in outs["good"].error and not outs["good"].token_ids
-    finally:
-        client.close()
+    outs = submit_and_wait(llm, [GenerateRequest("good", prompt="hi", sampling={"max_tokens": 2}),
+                                 GenerateRequest("bad", prompt="")], all_or_nothing=True)
+    assert outs["bad"].finish_reason == outs["good"].finish_reason == "error"
+    assert "all-or-nothing" in outs["good"].error and not outs["good"].token_ids
 
 
 def test_two_generate_iterators_of_one_client_can_be_read_in_turn(llm: LLM) -> None:
@@ -153,16 +144,12 @@ def test_two_generate_iterators_of_one_client_can_be_read_in_turn(llm: LLM) -> N
 def test_a_frontend_busy_with_a_long_submission_is_not_taken_for_dead(llm: LLM) -> None:
     """8,000 texts (each too long for max_model_len 256, so rejected after tokenizing) keep the frontend busy
     for seconds; keep-alive Pongs stop a client with a 1.5 s silence limit from giving up."""
-    client = EngineClient(llm.engine.endpoints.client, dead_after_s=1.5)
     text = "lorem ipsum dolor sit amet " * 120
-    try:
-        t0 = time.monotonic()
-        client.submit([GenerateRequest(str(i), prompt=f"{i} {text}") for i in range(8000)])
-        outs = finished_outputs(client, 8000)
-        assert time.monotonic() - t0 > 1.5, "the submission was too quick to test anything"
-        assert all("max_model_len" in o.error for o in outs.values())
-    finally:
-        client.close()
+    t0 = time.monotonic()
+    outs = submit_and_wait(llm, [GenerateRequest(str(i), prompt=f"{i} {text}") for i in range(8000)],
+                           dead_after_s=1.5)
+    assert time.monotonic() - t0 > 1.5, "the submission was too quick to test anything"
+    assert len(outs) == 8000 and all("max_model_len" in o.error for o in outs.values())
 
 
 def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
