@@ -41,8 +41,10 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
 
 
-def hf_reference(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, attn: str, device: str) -> dict:
-    """Greedy tokens and the per-step logits along transformers' own greedy path."""
+def hf_reference(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, attn: str, device: str,
+                 num_tokens: int = NEW_TOKENS) -> dict:
+    """transformers' `num_tokens` greedy tokens per prompt ("tokens") and the float32 logits
+    `[num_tokens, vocab]` along that greedy path ("logits", on the CPU)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn).to(device).eval()
@@ -51,11 +53,11 @@ def hf_reference(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, a
         for ids in prompts:
             input_ids = torch.tensor([ids], device=device)
             # An explicit mask: without it generate() masks every prompt token equal to pad_token_id.
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, min_new_tokens=NEW_TOKENS, output_logits=True,
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens,
+                                 do_sample=False, min_new_tokens=num_tokens, output_logits=True,
                                  return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(ids):].tolist())
-            logits.append(torch.stack([step[0].float() for step in out.logits]).cpu())  # [16, vocab]
+            logits.append(torch.stack([step[0].float() for step in out.logits]).cpu())
     del model
     return {"tokens": tokens, "logits": logits}
 

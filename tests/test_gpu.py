@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.gpu_correctness import hf_reference
 from common.config import EngineConfig
 from common.protocol import NewRequest, StepPlan, i32
 from deltaserve import SamplingParams
@@ -40,23 +41,6 @@ def tiny_qwen3_hd64(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_di
                                 hidden_size=128, head_dim=64)
 
 
-def hf_bf16_greedy_with_logits(model_dir: Path, prompts: list[list[int]], num_tokens: int
-                               ) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers bf16 on the GPU: greedy tokens and the logits `[num_tokens, vocab]` along that path."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    result = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device="cuda")
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens,
-                                 min_new_tokens=num_tokens, do_sample=False, pad_token_id=0, output_logits=True,
-                                 return_dict_in_generate=True)
-            result.append((out.sequences[0, len(ids):].tolist(), torch.stack([s[0].float() for s in out.logits])))
-    return result
-
-
 BACKENDS = ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not _flash_available(),
                                                                          reason="no FlashAttention installed"))]
 
@@ -82,8 +66,8 @@ def test_bf16_backends_follow_transformers(tiny_qwen3_hd64: Path, engine_factory
                          block_size=block_size, max_model_len=1024, max_num_batched_tokens=128, **SMALL)
     prompts = prompt_ids(tiny_qwen3_hd64)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for ids, out, (ref, ref_logits) in zip(prompts, outputs, hf_bf16_greedy_with_logits(
-            tiny_qwen3_hd64, prompts, GREEDY.max_tokens)):
+    hf = hf_reference(str(tiny_qwen3_hd64), prompts, torch.bfloat16, "sdpa", "cuda", GREEDY.max_tokens)
+    for ids, out, ref, ref_logits in zip(prompts, outputs, hf["tokens"], hf["logits"]):
         ours = out["token_ids"]
         if ours == ref:
             continue
