@@ -27,3 +27,12 @@ def client_silence_s() -> float:
     """DELTASERVE_CLIENT_SILENCE_S: seconds after which a client that sends nothing (waiting clients
     ping every 2 s) counts as gone and its requests are aborted (default 60)."""
     return float(os.environ.get("DELTASERVE_CLIENT_SILENCE_S", "60"))
+
+
+def all_reduce_impl() -> str:
+    """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
+    GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
+    value = os.environ.get("DELTASERVE_ALL_REDUCE", "auto")
+    if value not in ("auto", "nccl"):
+        raise ValueError(f"DELTASERVE_ALL_REDUCE must be 'auto' or 'nccl', got {value!r}")
+    return value

@@ -246,3 +246,31 @@ def test_chi_square_critical_value_is_the_0_999_quantile() -> None:
     lower = total * math.exp(-x + k * math.log(x) - math.lgamma(k))
 
     assert 1 - lower == pytest.approx(0.001, rel=1e-3)
+
+
+# ============================================================================ vocabulary split over ranks
+@pytest.mark.parametrize("splits", [(0, 500, 1000), (0, 123, 640, 1000)])
+def test_rank_slices_pick_the_token_of_the_whole_vocabulary(splits: tuple[int, ...]) -> None:
+    """Tensor parallelism on CPU: rank samplers with the same engine seed see only their slice, and
+    the best of their candidates is the token one sampler over the whole vocabulary picks, for
+    greedy, random and seeded rows alike."""
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(10)) * 3
+    temps = temperatures(*[0.0, 0.7, 1.0, 2.0] * 4)
+    seeded = [(1, 5, 9), (6, 77, 0), (11, -3, 2**40)]
+    whole = Sampler(torch.device("cpu"), seed=3)(logits, temps, False, seeded)
+    candidates = [Sampler(torch.device("cpu"), seed=3, vocab_size=1000, vocab_start=a)._cpu_candidates(
+        logits[:, a:b], temps, _row_seeds(3, 16, seeded)) for a, b in zip(splits, splits[1:])]
+    scores = torch.stack([c[0] for c in candidates])
+    tokens = torch.stack([c[1] for c in candidates])
+    assert torch.equal(tokens.gather(0, scores.argmax(dim=0, keepdim=True)).squeeze(0), whole)
+
+
+def _row_seeds(engine_seed: int, n: int, seeded: list[tuple[int, int, int]]):
+    """The per-row seeds a Sampler(seed=engine_seed) draws for its first call."""
+    import numpy as np
+
+    seeds = np.random.default_rng(engine_seed).integers(0, 2**62, size=n, dtype=np.int64)
+    for row, seed, position in seeded:
+        seeds[row] = seeded_generator_seed(seed, position)
+    return seeds
+

@@ -39,6 +39,23 @@ def test_tp2_greedy_tokens_equal_tp1_and_transformers(arch: str, tiny_qwen3: Pat
     assert sum(o["num_cached_tokens"] for o in again) > 0
 
 
+def test_tp2_samples_the_same_tokens_as_tp1(tiny_qwen3: Path, engine_factory) -> None:
+    """Each rank samples its vocabulary slice with noise keyed by the global token id, so random
+    sampling at TP=2 draws exactly what TP=1 draws: with a per-request seed, and for requests
+    without one from the engine's seed."""
+    seeded = [SamplingParams(temperature=t, seed=s, max_tokens=24, ignore_eos=True)
+              for t, s in [(0.7, 1), (1.0, 2), (1.5, 3), (0.3, 4)]]
+    unseeded = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 4
+    prompts = TEXT_PROMPTS[:4] + [TEXT_PROMPTS[0]] * 4  # the same prompt: different outputs are sampling
+    outs = []
+    for tp in (1, 2):
+        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
+        outs.append([o["token_ids"] for o in llm.generate(prompts, seeded + unseeded, use_tqdm=False)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t in outs[0][4:]}) > 1  # the unseeded requests really sample
+
+
 def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory) -> None:
     model = make_tiny_checkpoint("qwen3", tmp_path / "mqa", qwen3_tokenizer_dir, num_key_value_heads=1)
     llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)

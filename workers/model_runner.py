@@ -27,7 +27,7 @@ from workers.layers.fused import enable_compilation
 from workers.loader import load_weights
 from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
-from workers.parallel import broadcast_from_rank0, init_tensor_parallel, tp_rank, tp_size
+from workers.parallel import init_tensor_parallel
 from workers.sampler import Sampler
 
 log = logging.getLogger("deltaserve.worker")
@@ -129,7 +129,8 @@ class ModelRunner:
                                                 head_dim_of(self.hf_config), config.block_size)
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.sampler = Sampler(self.device, config.seed)
+        head = model.lm_head
+        self.sampler = Sampler(self.device, config.seed, head.vocab_size, head.vocab_start)
         self.block_size = config.block_size
         self.max_blocks_per_seq = config.max_blocks_per_seq
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size)
@@ -230,8 +231,7 @@ class ModelRunner:
         hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), meta)
         n = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:n])
-        if logits is not None:
-            self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
+        self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, sliced per layer."""
@@ -391,14 +391,8 @@ class ModelRunner:
         if s == 0:
             return None, None
         logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
-        if tp_rank() == 0:
-            assert logits is not None
-            all_greedy = not bool((inputs.temperatures > 0).any())
-            tokens = self.sampler(logits, dev_idx["temperatures"], all_greedy, inputs.seeded_rows)
-        else:
-            tokens = torch.empty(s, dtype=torch.int64, device=self.device)
-        if tp_size() > 1:
-            broadcast_from_rank0(tokens)
+        all_greedy = not bool((inputs.temperatures > 0).any())
+        tokens = self.sampler(logits, dev_idx["temperatures"], all_greedy, inputs.seeded_rows)
         self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
         out = host.sampled[:s]
         if self.device.type == "cuda":

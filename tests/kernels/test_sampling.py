@@ -6,7 +6,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernels.sampling import sample_tokens  # noqa: E402
+from kernels.sampling import sample_candidates, sample_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Chi-square critical values at p = 0.001 for the degrees of freedom used below.
@@ -91,6 +91,36 @@ def test_partial_last_chunk_and_vocab_smaller_than_a_chunk() -> None:
     assert sample_tokens(logits, temps, seeds, chunk_size=16).tolist() == [49, 48, 0, 3]
     assert sample_tokens(logits, temps, seeds, chunk_size=64).tolist() == [49, 48, 0, 3]
     assert sample_tokens(logits[:, :5], temps, seeds, chunk_size=16).tolist() == [0, 0, 0, 3]
+
+
+@pytest.mark.parametrize("splits", [(0, 37, 300), (0, 150, 151, 300), (0, 16, 100, 240, 300)])
+def test_vocabulary_slices_pick_the_whole_vocabulary_token(splits: tuple[int, ...]) -> None:
+    """Tensor parallelism: each rank scores its slice with noise keyed by the global index; the best
+    (score, token) over the slices, ties to the lowest slice, is the whole-vocabulary token."""
+    torch.manual_seed(6)
+    logits = (torch.randn(8, 300) * 2).to(DEVICE)
+    logits[1, 150:] = float("-inf")  # the winner must come from the first half
+    logits[2, :] = float("-inf")
+    logits[2, [149, 151]] = 4.0  # a greedy tie across the middle boundary: the lower id wins
+    logits[3, 200:] = float("nan")
+    temps = torch.tensor([0.0, 0.8, 0.0, 1.0, 0.6, 1.5, 0.0, 1.0], device=DEVICE)
+    seeds = (torch.arange(8, dtype=torch.int64) * 131 + 7).to(DEVICE)
+    whole = sample_tokens(logits, temps, seeds)
+    scores, tokens = zip(*[sample_candidates(logits[:, a:b], temps, seeds, vocab_offset=a, chunk_size=16)
+                           for a, b in zip(splits, splits[1:])])
+    best = torch.stack(scores).argmax(dim=0, keepdim=True)  # first maximum: the lowest slice
+    assert torch.equal(torch.stack(tokens).gather(0, best).squeeze(0), whole)
+    assert whole[2].item() == 149
+
+
+def test_candidates_give_global_ids_and_their_scores() -> None:
+    logits = torch.tensor([[0.0, 2.5, 1.0], [float("-inf")] * 3], device=DEVICE)
+    scores, tokens = sample_candidates(logits, torch.zeros(2, device=DEVICE),
+                                       torch.zeros(2, dtype=torch.int64, device=DEVICE), vocab_offset=1000)
+    assert tokens.tolist() == [1001, 1000] and scores.tolist() == [2.5, float("-inf")]
+    with pytest.raises(ValueError, match="vocab_offset"):
+        sample_candidates(logits, torch.zeros(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                          vocab_offset=-1)
 
 
 def test_bad_shapes_are_refused() -> None:

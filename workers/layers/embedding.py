@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.parallel import all_reduce, gather_to_rank0, tp_rank, tp_size
+from workers.parallel import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,14 +36,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden `[n, hidden_size]` -> logits `[n, vocab_size]` on rank 0 (None on other ranks).
+    """hidden `[n, hidden_size]` -> this rank's logits `[n, vocab_end - vocab_start]`: columns
+    vocab_start.. of the vocabulary (all of it at TP=1). The logits are never gathered: the
+    sampler picks each rank's best candidate and the ranks exchange only those (workers/sampler.py)."""
 
-    Each rank computes its vocabulary slice; rank 0 gathers them (it is the rank that samples).
-    """
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
-        if tp_size() == 1:
-            return logits
-        full = gather_to_rank0(logits, dim=-1)
-        return full[:, : self.vocab_size] if full is not None else None
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.linear(hidden, self.weight[: self.vocab_end - self.vocab_start])

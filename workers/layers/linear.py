@@ -134,7 +134,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if tp_size() > 1:
-            all_reduce(y)
+            y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

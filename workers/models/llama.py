@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """input ids `[T]` int64 and positions `[T]` int64 -> hidden states `[T, hidden_size]`;
-    `compute_logits(hidden)` -> `[n, vocab_size]` float logits on rank 0."""
+    `compute_logits(hidden)` -> `[n, vocab slice]` logits of this rank's vocabulary slice (all of it at TP=1)."""
 
     model_cls: type[LlamaModel] = LlamaModel
     # checkpoint name part -> (fused parameter name part, shard id)
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
