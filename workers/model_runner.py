@@ -114,11 +114,11 @@ class ModelRunner:
         self.device = resolve_device(config.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device)
-        torch.manual_seed(config.seed)
-        enable_compilation(self.device.type == "cuda" and not config.enforce_eager)
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype)
+        torch.manual_seed(config.seed)
+        enable_compilation(self.device.type == "cuda" and not config.enforce_eager)
         with torch.device(self.device), default_dtype(self.dtype):
             model = MODEL_REGISTRY[config.architecture](self.hf_config, config.max_model_len)
         model.to(self.device)  # buffers built on the host (rope tables)

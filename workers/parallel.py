@@ -5,13 +5,13 @@ collectives run over NCCL, on CPU over gloo, so the same code is tested in CI.
 
 All-reduce on GPUs. A decode step of a 36-layer model sums 73 small activations (two a layer plus
 the embedding; 2 MiB each at batch 256 and hidden 4096), so the latency of each all-reduce, not
-bandwidth, is what tensor parallelism pays. For tensors up to `PEER_ALL_REDUCE_MAX_BYTES` the
-worker uses a one-shot all-reduce over peer (NVLink) memory: every rank copies its tensor into a
-buffer that all ranks have mapped (PyTorch symmetric memory), meets the others at a barrier, and
-sums all ranks' buffers itself, in one kernel (`torch.ops.symm_mem.one_shot_all_reduce_copy`).
-With two ranks that moves no more bytes than NCCL's ring and skips its protocol's steps. Larger
-tensors (prefill chunks) go to NCCL. It needs no NVLink multicast (NVLS). Measured in
-benchmarks/allreduce.py; DELTASERVE_ALL_REDUCE=nccl turns it off.
+bandwidth, is what tensor parallelism pays. Tensors up to `PEER_ALL_REDUCE_MAX_BYTES` go through
+our one-shot all-reduce over peer-mapped memory (kernels/all_reduce.py: each rank pushes its
+tensor into the others' buffers over NVLink and sums what it received, one kernel, flags per
+program instead of a grid-wide barrier); the buffers come from PyTorch symmetric memory, which
+maps every rank's allocation into every process (no NVLink multicast needed). Larger tensors
+(prefill chunks) go to NCCL. benchmarks/allreduce.py measures both; DELTASERVE_ALL_REDUCE=nccl
+turns the peer path off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 # Larger tensors go to NCCL. 8 MiB holds the decode activations of batch 512 at hidden 8192 (bf16).
 PEER_ALL_REDUCE_MAX_BYTES = 8 << 20
-_ALIGN = 16  # the one-shot kernel's vector width in bytes; buffer and input must share it
 
 _rank = 0
 _world_size = 1
@@ -36,36 +35,52 @@ _peer_all_reduce: PeerAllReduce | None = None
 
 
 class PeerAllReduce:
-    """One-shot sum over a symmetric-memory buffer of `max_bytes` that every rank maps.
+    """Sum over the group with kernels/all_reduce.py, for tensors of `dtype` up to `max_bytes`.
 
-    Capturable in CUDA graphs (one kernel; its barrier counters reset themselves). Every rank must
-    call it with the same shapes in the same order, as for any collective.
+    Capturable in CUDA graphs. Every rank must call it with the same shapes in the same order, as
+    for any collective, and with one dtype (the kernel's buffer reuse relies on both).
+
+    Raises RuntimeError at construction if the devices cannot map each other's memory or have
+    fewer SMs than the kernel's programs (they all wait at once, so all must be resident).
     """
 
-    def __init__(self, device: torch.device, max_bytes: int) -> None:
+    def __init__(self, device: torch.device, max_bytes: int, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group_name = dist.group.WORLD.group_name
-        self.max_bytes = max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        from kernels import all_reduce as kernel
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if sms <= kernel.GRID:
+            raise RuntimeError(f"{sms} SMs, the kernel needs more than {kernel.GRID}")
+        if _world_size > kernel.MAX_WORLD_SIZE:
+            raise RuntimeError(f"{_world_size} ranks, the kernel takes at most {kernel.MAX_WORLD_SIZE}")
+        self.kernel, self.max_bytes, self.dtype = kernel, max_bytes, dtype
+        nbytes = kernel.buffer_bytes(_world_size, max_bytes)
+        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer.zero_()  # flags start at epoch 0
+        handle = symm_mem.rendezvous(self.buffer, dist.group.WORLD.group_name)
+        self._views = [handle.get_buffer(r, [nbytes], torch.uint8, 0) for r in range(_world_size)]
+        self.bases = torch.tensor([v.data_ptr() for v in self._views], dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(kernel.GRID, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier()  # no rank pushes before every rank has zeroed its flags
 
     def accepts(self, x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
-                and 0 < nbytes <= self.max_bytes and nbytes % _ALIGN == 0 and x.data_ptr() % _ALIGN == 0)
+        return x.dtype == self.dtype and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staging = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
+        return self.kernel.one_shot_all_reduce(x, torch.empty_like(x), self.bases, self.epochs, _rank,
+                                               _world_size, self.max_bytes)
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
+                         dtype: torch.dtype = torch.bfloat16) -> None:
     """Join the tensor-parallel group (no-op for a single worker).
 
     `init_method` is a tcp://host:port rendezvous address. Collectives time out after 60 s, so a
     dead peer ends the process with an error instead of a hang. On CUDA the peer-memory all-reduce
-    is set up too; if the devices cannot map each other's memory, NCCL does every all-reduce.
+    is set up too, for tensors of `dtype` (the model's); if the devices cannot map each other's
+    memory, NCCL does every all-reduce.
     """
     global _rank, _world_size, _peer_all_reduce
     _rank, _world_size = rank, world_size
@@ -77,7 +92,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
                             timeout=timedelta(seconds=60), **kwargs)
     if device.type == "cuda" and envs.all_reduce_impl() == "auto":
         try:
-            _peer_all_reduce = PeerAllReduce(device, PEER_ALL_REDUCE_MAX_BYTES)
+            _peer_all_reduce = PeerAllReduce(device, PEER_ALL_REDUCE_MAX_BYTES, dtype)
         except Exception as e:  # no peer access, or symmetric memory unsupported here
             logger.warning("peer-memory all-reduce unavailable (%s); NCCL does every all-reduce", e)
             _peer_all_reduce = None

@@ -1,0 +1,136 @@
+"""One-shot all-reduce over peer-mapped GPU memory, for the small activations of tensor parallelism.
+
+Every rank holds a buffer that all ranks have mapped (PyTorch symmetric memory: NVLink peer
+access, no multicast). A call sums `x` over the ranks in one kernel of `GRID` programs, and
+program `p` only ever meets program `p` of the other ranks:
+
+1. push: program p stores its chunks of `x` straight into every peer's buffer (slot `rank`);
+   remote stores are posted, so the data crosses NVLink at link speed;
+2. signal: after a CTA barrier, one release store at system scope of the call's epoch into flag
+   `[rank, p]` of every peer says "my chunks are there";
+3. wait: the program spins (acquire, system scope) until every peer's flag `[peer, p]` of its own
+   buffer reaches the epoch;
+4. sum: it reads the peers' chunks from its own memory and adds them to its own `x` in rank
+   order, in float32, so every rank computes bit-identical sums (the replicated residual stream
+   must not drift apart between ranks).
+
+No grid-wide barrier and no second kernel. Buffers are reused safely by double-buffering on the
+epoch's parity: a program writes a peer's area of parity e % 2 only after it has seen that peer's
+flag for epoch e - 1, which the peer raised in a later kernel than the one that read epoch e - 2's
+data from that area. This holds across CUDA-graph replays and eager calls alike because each
+program keeps its epoch in device memory, and because the chunk -> program map is fixed (chunk
+c belongs to program c % GRID for every call size), every rank makes the same calls with the same
+shapes (as with any collective), and a process uses one dtype.
+
+All `GRID` programs spin while they wait, so they must all be resident at once: `GRID` stays
+below the SM count of the devices this runs on (checked by `PeerAllReduce`).
+
+The scheme is the classic flag-based one-shot all-reduce of inference engines (for example
+vLLM's and TensorRT-LLM's custom all-reduce kernels), written here in Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GRID = 64  # programs per call; each handles chunks p, p + GRID, p + 2 GRID, ...
+BLOCK = 2048  # elements per chunk
+FLAG_BYTES = 4096  # head of each rank's buffer: int64 flags [world_size, GRID]
+MAX_WORLD_SIZE = 8
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(
+    x_ptr,
+    out_ptr,
+    numel,
+    bases_ptr,  # int64 [world_size]: address of every rank's buffer, as mapped in this process
+    epochs_ptr,  # int64 [GRID]: calls made so far by each program (this rank's, in device memory)
+    rank,
+    slot_numel,  # elements of one (parity, rank) slot
+    WORLD: tl.constexpr,
+    GRID_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FLAGS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(epochs_ptr + pid) + 1
+    parity = epoch % 2
+    dtype = x_ptr.dtype.element_ty
+    my_base = tl.load(bases_ptr + rank)
+    lanes = tl.arange(0, BLOCK_SIZE)
+
+    # 1. push this program's chunks into slot `rank` of every peer's area `parity`.
+    for start in range(pid * BLOCK_SIZE, numel, GRID_SIZE * BLOCK_SIZE):
+        offs = start + lanes
+        mask = offs < numel
+        v = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            if r != rank:
+                area = (tl.load(bases_ptr + r) + FLAGS).to(tl.pointer_type(dtype))
+                tl.store(area + (parity * WORLD + rank) * slot_numel + offs, v, mask=mask)
+    tl.debug_barrier()
+    # 2. signal: the release orders every thread's pushes (made visible to this one by the barrier).
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            flags = tl.load(bases_ptr + r).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flags + rank * GRID_SIZE + pid, epoch, sem="release", scope="sys")
+    # 3. wait for program `pid` of every peer. A peer may already be one call ahead (>=, not ==).
+    my_flags = my_base.to(tl.pointer_type(tl.int64))
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            # A compare-and-swap that never matches (flags are >= 0) is an acquire load that never writes.
+            seen = tl.atomic_cas(my_flags + r * GRID_SIZE + pid, -1, -1, sem="acquire", scope="sys")
+            while seen < epoch:
+                seen = tl.atomic_cas(my_flags + r * GRID_SIZE + pid, -1, -1, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    # 4. sum in rank order from local memory (.cg: straight from L2, where the peers' stores land).
+    my_area = (my_base + FLAGS).to(tl.pointer_type(dtype))
+    for start in range(pid * BLOCK_SIZE, numel, GRID_SIZE * BLOCK_SIZE):
+        offs = start + lanes
+        mask = offs < numel
+        acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == rank:
+                acc += tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            else:
+                acc += tl.load(my_area + (parity * WORLD + r) * slot_numel + offs, mask=mask,
+                               cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+    tl.store(epochs_ptr + pid, epoch)
+
+
+def buffer_bytes(world_size: int, max_bytes: int) -> int:
+    """Bytes of the symmetric buffer each rank allocates for tensors of up to `max_bytes`."""
+    return FLAG_BYTES + 2 * world_size * max_bytes
+
+
+def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, bases: torch.Tensor, epochs: torch.Tensor,
+                        rank: int, world_size: int, max_bytes: int) -> torch.Tensor:
+    """`out` = the sum of `x` over all ranks (every rank calls this with the same shape and dtype).
+
+    Args:
+        x: contiguous CUDA tensor, at most `max_bytes`, in the process's one all-reduce dtype.
+        out: contiguous tensor like `x` (may not alias it).
+        bases: `[world_size]` int64 on the device: each rank's symmetric buffer of
+            `buffer_bytes(world_size, max_bytes)` bytes (zeroed before first use), as mapped here.
+        epochs: `[GRID]` int64 on the device, zeroed once, then owned by this function.
+        rank, world_size: this rank and the group size (<= MAX_WORLD_SIZE).
+
+    Returns `out`. Capturable in a CUDA graph. Raises ValueError on a tensor too large, or not
+    contiguous.
+    """
+    nbytes = x.numel() * x.element_size()
+    if nbytes > max_bytes or not x.is_contiguous() or not out.is_contiguous() or out.shape != x.shape:
+        raise ValueError(f"one_shot_all_reduce takes contiguous tensors of at most {max_bytes} bytes, "
+                         f"got {tuple(x.shape)} {x.dtype} ({nbytes} bytes)")
+    if not 2 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be 2..{MAX_WORLD_SIZE}, got {world_size}")
+    slot_numel = max_bytes // x.element_size()
+    _one_shot_all_reduce_kernel[(GRID,)](
+        x, out, x.numel(), bases, epochs, rank, slot_numel,
+        WORLD=world_size, GRID_SIZE=GRID, BLOCK_SIZE=BLOCK, FLAGS=FLAG_BYTES, num_warps=8,
+    )
+    return out

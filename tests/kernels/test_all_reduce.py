@@ -1,0 +1,78 @@
+"""The one-shot peer-memory all-reduce kernel (kernels/all_reduce.py).
+
+On CPU the ranks are processes under the Triton interpreter that share their "symmetric" buffers
+through shared memory, so the kernel's pushes, epoch flags, double buffering and rank-order sum
+run for real, only slower. On GPUs (`-m gpu`, two devices) the same kernel runs through
+workers/parallel.py, eagerly and in CUDA graphs (tests/test_gpu_tp.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("triton")
+from kernels import all_reduce as ar  # noqa: E402
+
+MAX_BYTES = 1 << 20
+# Calls of mixed sizes: one element, partial chunks, and more chunks than programs (several per program).
+SIZES = (1, 5, 2048, 3000, 1, ar.GRID * ar.BLOCK + 77, 16, 4096)
+
+
+def _x(call: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(n, generator=torch.Generator().manual_seed(100 * call + rank)) * 4).to(dtype)
+
+
+def _rank(rank: int, world: int, buffers: list[torch.Tensor], dtype: torch.dtype, queue) -> None:
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # as mapped in this process
+    epochs = torch.zeros(ar.GRID, dtype=torch.int64)
+    outs = []
+    for call, n in enumerate(SIZES):
+        x = _x(call, rank, n, dtype)
+        out = ar.one_shot_all_reduce(x, torch.empty_like(x), bases, epochs, rank, world, MAX_BYTES)
+        outs.append(out.float().numpy())  # plain arrays: tensors in a queue would need this process alive
+    queue.put((rank, outs, epochs.tolist()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation of ranks; GPUs run tests/test_gpu_tp.py")
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_ranks_get_the_rank_order_sum_of_every_call(world: int, dtype: torch.dtype) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    buffers = [torch.zeros(ar.buffer_bytes(world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, buffers, dtype, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((r, (outs, epochs)) for r, outs, epochs in (queue.get(timeout=240) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            p.kill()
+    for call, n in enumerate(SIZES):
+        expected = _x(call, 0, n, dtype).float()
+        for r in range(1, world):
+            expected = expected + _x(call, r, n, dtype).float()  # float32, in rank order, like the kernel
+        for r in range(world):
+            got = torch.from_numpy(results[r][0][call])
+            if dtype == torch.float32:
+                assert torch.equal(got, expected), (call, r)
+            else:  # the interpreter rounds float32 -> bf16 toward zero, a GPU to nearest: one bf16 step apart at most
+                assert torch.allclose(got, expected, rtol=2**-7, atol=0), (call, r)
+            assert torch.equal(got, torch.from_numpy(results[0][0][call]))  # bit-identical on every rank
+    assert all(results[r][1] == [len(SIZES)] * ar.GRID for r in range(world))
+
+
+def test_too_large_or_strided_tensors_are_refused() -> None:
+    bases, epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(ar.GRID, dtype=torch.int64)
+    big = torch.zeros(MAX_BYTES // 4 + 1)
+    with pytest.raises(ValueError, match="at most"):
+        ar.one_shot_all_reduce(big, torch.empty_like(big), bases, epochs, 0, 2, MAX_BYTES)
+    strided = torch.zeros(8, 8).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        ar.one_shot_all_reduce(strided, torch.empty(8, 8), bases, epochs, 0, 2, MAX_BYTES)
+    with pytest.raises(ValueError, match="world_size"):
+        ar.one_shot_all_reduce(torch.zeros(4), torch.zeros(4), bases, epochs, 0, 1, MAX_BYTES)
