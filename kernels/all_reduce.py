@@ -46,48 +46,49 @@ def _one_shot_all_reduce_kernel(
     x_ptr,
     out_ptr,
     numel,
+    area_ptr,  # this rank's data area (its buffer past the flags), typed like x
+    flags_ptr,  # this rank's flags, int64 [world_size, GRID]
     bases_ptr,  # int64 [world_size]: address of every rank's buffer, as mapped in this process
     epochs_ptr,  # int64 [GRID]: calls made so far by each program (this rank's, in device memory)
     rank,
     slot_numel,  # elements of one (parity, rank) slot
     WORLD: tl.constexpr,
+    ELEMENT_BYTES: tl.constexpr,
     GRID_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    FLAGS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(epochs_ptr + pid) + 1
     parity = epoch % 2
-    dtype = x_ptr.dtype.element_ty
     my_base = tl.load(bases_ptr + rank)
     lanes = tl.arange(0, BLOCK_SIZE)
 
-    # 1. push this program's chunks into slot `rank` of every peer's area `parity`.
+    # 1. push this program's chunks into slot `rank` of every peer's area `parity`. A peer's area is
+    # ours shifted by the distance between the buffers; buffers are page-aligned, and saying so
+    # lets the compiler move 16-byte vectors.
     for start in range(pid * BLOCK_SIZE, numel, GRID_SIZE * BLOCK_SIZE):
         offs = start + lanes
         mask = offs < numel
         v = tl.load(x_ptr + offs, mask=mask)
         for r in tl.static_range(WORLD):
             if r != rank:
-                area = (tl.load(bases_ptr + r) + FLAGS).to(tl.pointer_type(dtype))
-                tl.store(area + (parity * WORLD + rank) * slot_numel + offs, v, mask=mask)
+                shift = tl.multiple_of((tl.load(bases_ptr + r) - my_base) // ELEMENT_BYTES, 16)
+                tl.store(area_ptr + shift + (parity * WORLD + rank) * slot_numel + offs, v, mask=mask)
     tl.debug_barrier()
     # 2. signal: the release orders every thread's pushes (made visible to this one by the barrier).
     for r in tl.static_range(WORLD):
         if r != rank:
-            flags = tl.load(bases_ptr + r).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(flags + rank * GRID_SIZE + pid, epoch, sem="release", scope="sys")
+            peer_flags = flags_ptr + (tl.load(bases_ptr + r) - my_base) // 8
+            tl.atomic_xchg(peer_flags + rank * GRID_SIZE + pid, epoch, sem="release", scope="sys")
     # 3. wait for program `pid` of every peer. A peer may already be one call ahead (>=, not ==).
-    my_flags = my_base.to(tl.pointer_type(tl.int64))
+    never = tl.full([], -1, tl.int64)  # a compare-and-swap that never matches (flags are >= 0): an acquire load
     for r in tl.static_range(WORLD):
         if r != rank:
-            # A compare-and-swap that never matches (flags are >= 0) is an acquire load that never writes.
-            seen = tl.atomic_cas(my_flags + r * GRID_SIZE + pid, -1, -1, sem="acquire", scope="sys")
+            seen = tl.atomic_cas(flags_ptr + r * GRID_SIZE + pid, never, never, sem="acquire", scope="sys")
             while seen < epoch:
-                seen = tl.atomic_cas(my_flags + r * GRID_SIZE + pid, -1, -1, sem="acquire", scope="sys")
+                seen = tl.atomic_cas(flags_ptr + r * GRID_SIZE + pid, never, never, sem="acquire", scope="sys")
     tl.debug_barrier()
     # 4. sum in rank order from local memory (.cg: straight from L2, where the peers' stores land).
-    my_area = (my_base + FLAGS).to(tl.pointer_type(dtype))
     for start in range(pid * BLOCK_SIZE, numel, GRID_SIZE * BLOCK_SIZE):
         offs = start + lanes
         mask = offs < numel
@@ -96,9 +97,9 @@ def _one_shot_all_reduce_kernel(
             if r == rank:
                 acc += tl.load(x_ptr + offs, mask=mask).to(tl.float32)
             else:
-                acc += tl.load(my_area + (parity * WORLD + r) * slot_numel + offs, mask=mask,
+                acc += tl.load(area_ptr + (parity * WORLD + r) * slot_numel + offs, mask=mask,
                                cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(epochs_ptr + pid, epoch)
 
 
@@ -107,15 +108,17 @@ def buffer_bytes(world_size: int, max_bytes: int) -> int:
     return FLAG_BYTES + 2 * world_size * max_bytes
 
 
-def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, bases: torch.Tensor, epochs: torch.Tensor,
-                        rank: int, world_size: int, max_bytes: int) -> torch.Tensor:
+def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, buffer: torch.Tensor, bases: torch.Tensor,
+                        epochs: torch.Tensor, rank: int, world_size: int, max_bytes: int) -> torch.Tensor:
     """`out` = the sum of `x` over all ranks (every rank calls this with the same shape and dtype).
 
     Args:
         x: contiguous CUDA tensor, at most `max_bytes`, in the process's one all-reduce dtype.
         out: contiguous tensor like `x` (may not alias it).
-        bases: `[world_size]` int64 on the device: each rank's symmetric buffer of
-            `buffer_bytes(world_size, max_bytes)` bytes (zeroed before first use), as mapped here.
+        buffer: this rank's symmetric buffer, uint8 `[buffer_bytes(world_size, max_bytes)]`,
+            zeroed before first use, at an address that is a multiple of 16.
+        bases: `[world_size]` int64 on the device: the address of each rank's buffer as mapped in
+            this process (`bases[rank] == buffer.data_ptr()`).
         epochs: `[GRID]` int64 on the device, zeroed once, then owned by this function.
         rank, world_size: this rank and the group size (<= MAX_WORLD_SIZE).
 
@@ -129,8 +132,10 @@ def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, bases: torch.Tensor,
     if not 2 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be 2..{MAX_WORLD_SIZE}, got {world_size}")
     slot_numel = max_bytes // x.element_size()
+    area = buffer[FLAG_BYTES:].view(x.dtype)
+    flags = buffer[:FLAG_BYTES].view(torch.int64)
     _one_shot_all_reduce_kernel[(GRID,)](
-        x, out, x.numel(), bases, epochs, rank, slot_numel,
-        WORLD=world_size, GRID_SIZE=GRID, BLOCK_SIZE=BLOCK, FLAGS=FLAG_BYTES, num_warps=8,
+        x, out, x.numel(), area, flags, bases, epochs, rank, slot_numel,
+        WORLD=world_size, ELEMENT_BYTES=x.element_size(), GRID_SIZE=GRID, BLOCK_SIZE=BLOCK, num_warps=8,
     )
     return out

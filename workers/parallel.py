@@ -69,8 +69,8 @@ class PeerAllReduce:
         return x.dtype == self.dtype and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.one_shot_all_reduce(x, torch.empty_like(x), self.bases, self.epochs, _rank,
-                                               _world_size, self.max_bytes)
+        return self.kernel.one_shot_all_reduce(x, torch.empty_like(x), self.buffer, self.bases, self.epochs,
+                                               _rank, _world_size, self.max_bytes)
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,

@@ -31,7 +31,7 @@ def _rank(rank: int, world: int, buffers: list[torch.Tensor], dtype: torch.dtype
     outs = []
     for call, n in enumerate(SIZES):
         x = _x(call, rank, n, dtype)
-        out = ar.one_shot_all_reduce(x, torch.empty_like(x), bases, epochs, rank, world, MAX_BYTES)
+        out = ar.one_shot_all_reduce(x, torch.empty_like(x), buffers[rank], bases, epochs, rank, world, MAX_BYTES)
         outs.append(out.float().numpy())  # plain arrays: tensors in a queue would need this process alive
     queue.put((rank, outs, epochs.tolist()))
 
@@ -68,11 +68,12 @@ def test_ranks_get_the_rank_order_sum_of_every_call(world: int, dtype: torch.dty
 
 def test_too_large_or_strided_tensors_are_refused() -> None:
     bases, epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(ar.GRID, dtype=torch.int64)
+    buffer = torch.zeros(ar.buffer_bytes(2, MAX_BYTES), dtype=torch.uint8)
     big = torch.zeros(MAX_BYTES // 4 + 1)
     with pytest.raises(ValueError, match="at most"):
-        ar.one_shot_all_reduce(big, torch.empty_like(big), bases, epochs, 0, 2, MAX_BYTES)
+        ar.one_shot_all_reduce(big, torch.empty_like(big), buffer, bases, epochs, 0, 2, MAX_BYTES)
     strided = torch.zeros(8, 8).t()
     with pytest.raises(ValueError, match="contiguous"):
-        ar.one_shot_all_reduce(strided, torch.empty(8, 8), bases, epochs, 0, 2, MAX_BYTES)
+        ar.one_shot_all_reduce(strided, torch.empty(8, 8), buffer, bases, epochs, 0, 2, MAX_BYTES)
     with pytest.raises(ValueError, match="world_size"):
-        ar.one_shot_all_reduce(torch.zeros(4), torch.zeros(4), bases, epochs, 0, 1, MAX_BYTES)
+        ar.one_shot_all_reduce(torch.zeros(4), torch.zeros(4), buffer, bases, epochs, 0, 1, MAX_BYTES)
