@@ -22,8 +22,9 @@ program keeps its epoch in device memory, and because the chunk -> program map i
 c belongs to program c % GRID for every call size), every rank makes the same calls with the same
 shapes (as with any collective), and a process uses one dtype.
 
-All `GRID` programs spin while they wait, so they must all be resident at once: `GRID` stays
-below the SM count of the devices this runs on (checked by `PeerAllReduce`).
+All `GRID` programs spin while they wait, so they must all be resident at once: a program is 256
+threads with few registers, so even two programs an SM fit with room to spare; `PeerAllReduce`
+refuses devices with fewer than GRID / 2 SMs.
 
 The scheme is the classic flag-based one-shot all-reduce of inference engines (for example
 vLLM's and TensorRT-LLM's custom all-reduce kernels), written here in Triton.
@@ -35,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-GRID = 64  # programs per call; each handles chunks p, p + GRID, p + 2 GRID, ...
-BLOCK = 2048  # elements per chunk
+GRID = 128  # programs per call; each handles chunks p, p + GRID, p + 2 GRID, ...
+BLOCK = 4096  # elements per chunk: a 2 MiB bf16 tensor is two rounds of the grid
 FLAG_BYTES = 4096  # head of each rank's buffer: int64 flags [world_size, GRID]
 MAX_WORLD_SIZE = 8
 
