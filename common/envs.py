@@ -36,3 +36,13 @@ def all_reduce_impl() -> str:
     if value not in ("auto", "nccl"):
         raise ValueError(f"DELTASERVE_ALL_REDUCE must be 'auto' or 'nccl', got {value!r}")
     return value
+
+
+def step_timeout_s() -> float:
+    """DELTASERVE_STEP_TIMEOUT_S: seconds a step may stay unfinished before the scheduler declares a
+    worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts the
+    engine down with that message (default 300; 0 turns the watchdog off)."""
+    value = float(os.environ.get("DELTASERVE_STEP_TIMEOUT_S", "300"))
+    if value < 0:
+        raise ValueError(f"DELTASERVE_STEP_TIMEOUT_S must be >= 0, got {value}")
+    return value

@@ -162,6 +162,7 @@ class EngineProcesses:
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
+                p.send_signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once resumed
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
             try:

@@ -57,6 +57,8 @@ class SchedulerProcess:
         self.to_frontend = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
+        self.unfinished: dict[int, float] = {}  # step id -> when its plan was sent (monotonic)
+        self.step_timeout_s = envs.step_timeout_s()
         self.check_invariants = envs.check_invariants()
         self.step_log = StepLog("scheduler")
 
@@ -144,10 +146,29 @@ class SchedulerProcess:
             finished = sched.take_finished()
             if finished:
                 ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
+            self._check_progress()
             if time.monotonic() - self.last_sent > HEARTBEAT_S:  # idle: tell workers started elsewhere we live
                 for sock in self.to_workers:
                     ipc.send(sock, Ping())
                 self.last_sent = time.monotonic()
+
+    def _check_progress(self) -> None:
+        """Raise if the oldest unfinished step is older than DELTASERVE_STEP_TIMEOUT_S.
+
+        A worker that stops making progress without exiting (SIGSTOP, a hung device, a peer that died
+        inside a collective whose kernel now waits forever) would otherwise leave every request
+        waiting forever; the raised error ends the scheduler, and the launcher takes the engine down
+        with this message.
+        """
+        if not self.unfinished or not self.step_timeout_s:
+            return
+        step_id, sent = next(iter(self.unfinished.items()))  # plans are sent in order: the first is the oldest
+        waited = time.monotonic() - sent
+        if waited > self.step_timeout_s:
+            raise RuntimeError(
+                f"step {step_id} has not finished after {waited:.0f} s (DELTASERVE_STEP_TIMEOUT_S="
+                f"{self.step_timeout_s:g}): a worker is stuck (a stopped process, a hung device, or a peer "
+                "lost inside a collective)")
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""
@@ -184,6 +205,7 @@ class SchedulerProcess:
             log.error("unexpected %s from a worker", type(msg).__name__)
             return
         t0 = time.perf_counter()
+        self.unfinished.pop(msg.step_id, None)
         outputs = sched.process_result(msg)
         ipc.send(self.to_frontend, outputs)
         if self.check_invariants:
@@ -203,6 +225,7 @@ class SchedulerProcess:
         for sock in self.to_workers:
             sock.send(data, copy=False)
         self.last_sent = time.monotonic()
+        self.unfinished[plan.step_id] = self.last_sent
         if self.step_log.enabled:
             self.step_log.write({
                 "step": plan.step_id, "t_sent": t1, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),

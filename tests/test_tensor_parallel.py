@@ -82,6 +82,25 @@ def test_a_killed_rank_brings_the_engine_down_within_seconds(tiny_qwen3: Path, e
                for pid in pids.values())
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stopped_worker_brings_the_engine_down_after_the_step_timeout(
+        tp: int, tiny_qwen3: Path, engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that stops making progress without exiting (SIGSTOP here; a hung device or a peer
+    lost inside a collective alike) would leave requests waiting forever: the scheduler's step
+    watchdog ends the engine with a message instead, and shutdown reaps the stopped process."""
+    monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", "2")
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256, tensor_parallel_size=tp)
+    assert llm.generate(["warm"], GREEDY, use_tqdm=False)[0]["token_ids"]  # healthy steps are not timed out
+    worker = llm.engine.procs[f"worker-tp{tp - 1}"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="has not finished after .* a worker is stuck"):
+        llm.generate(["still there?"] * 4, GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 15
+    llm.shutdown()
+    assert all(p.poll() is not None for p in llm.engine.procs.values())
+
+
 def test_a_worker_started_by_hand_joins_over_tcp(tiny_qwen3: Path) -> None:
     """The multi-host recipe on one host: rank 1 is started from the command the launcher prints,
     reaching the scheduler and the torch.distributed rendezvous over tcp:// addresses."""
