@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of benchmarks/RESULTS.md, in one call (a Qwen3-0.6B-shaped checkpoint is made first):
+# The GPU benchmarks of benchmarks/RESULTS.md, in one call (a Qwen3-0.6B-shaped checkpoint is made first;
+# with two GPUs also the all-reduce table and the Qwen3-8B-shaped tensor-parallel run):
 #   bash scripts/gpu_bench.sh [TOKENIZER_DIR]        (results to $OUT or ./gpu-results)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +14,11 @@ for backend in triton flash-attn; do
       --json "$out/throughput-$backend.json" 2>&1 | tee "$out/throughput-$backend.log"
 done
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
+# Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  timeout 200 python3 benchmarks/allreduce.py 2>&1 | tee "$out/allreduce.log"
+  ckpt8=${CKPT8_DIR:-/tmp/qwen3-8b-random}
+  [ -f "$ckpt8/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-8b --out "$ckpt8" ${tok:+--tokenizer "$tok"}
+  timeout 600 python3 benchmarks/tp_check.py --model "$ckpt8" --tp 2 --attention-backend triton \
+      --json "$out/tp-8b.json" 2>&1 | tee "$out/tp-8b.log"
+fi

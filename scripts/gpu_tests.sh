@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one call on a CUDA machine:
 #   1. the GPU-only tests (pytest marker `gpu`: kernels in bf16 at real sizes, CUDA-graph padding,
-#      backends against transformers, KV-cache sizing);
+#      backends against transformers, KV-cache sizing; on a machine with two GPUs also the
+#      tensor-parallel all-reduce paths, tests/test_gpu_tp.py);
 #   2. benchmarks/gpu_correctness.py on a Qwen3-0.6B-shaped random checkpoint: every backend with
 #      CUDA graphs on and off against transformers bf16, printed as one table.
 #
