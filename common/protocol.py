@@ -224,7 +224,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), num_preemptions; on finish
+    metrics: dict[str, int | float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), num_preemptions; on finish
 
 
 @_message
@@ -408,7 +408,12 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _check(inner[0], value, where)
+        for option in inner[:-1]:  # the first alternative that fits, in the order written
+            try:
+                return _check(option, value, where)
+            except ProtocolError:
+                pass
+        return _check(inner[-1], value, where)
     if origin is list:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")

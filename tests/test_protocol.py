@@ -27,6 +27,7 @@ from common.protocol import (
     Ping,
     ProtocolError,
     RequestOutput,
+    RequestOutputs,
     ResumedRequest,
     StepOutputs,
     StepPlan,
@@ -194,6 +195,19 @@ def test_int_given_for_a_float_field_decodes_as_float() -> None:
     decoded = decode(pack(PROTOCOL_VERSION, "AddRequests", *fields))
 
     assert decoded.requests[0].temperature == 1.0 and type(decoded.requests[0].temperature) is float
+
+
+def test_union_fields_keep_the_first_type_that_fits() -> None:
+    """Counters stay integers and times stay floats in a `dict[str, int | float]` (num_preemptions
+    used to reach users as 0.0); a value of neither type is refused."""
+    out = RequestOutput("r1", finished=True, metrics={"num_preemptions": 2, "ttft_s": 0.25})
+
+    decoded = decode(encode(RequestOutputs([out]))).outputs[0]
+
+    assert decoded.metrics == {"num_preemptions": 2, "ttft_s": 0.25}
+    assert type(decoded.metrics["num_preemptions"]) is int and type(decoded.metrics["ttft_s"]) is float
+    with pytest.raises(ProtocolError, match="metrics"):
+        decode(encode(RequestOutputs([RequestOutput("r1", metrics={"x": "slow"})])))
 
 
 # ============================================================================ encode
