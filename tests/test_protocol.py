@@ -48,8 +48,8 @@ def example_value(hint: Any, salt: int) -> Any:
     if hint is Int32Array:
         return i32([salt, -salt, 2**31 - 1, -(2**31)])
     if origin in (Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return example_value(inner, salt)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return example_value(inner[-1], salt)  # the last alternative: a value the earlier ones refuse
     if origin is list:
         (item,) = typing.get_args(hint)
         return [example_value(item, salt + 1), example_value(item, salt + 2)]
@@ -57,7 +57,7 @@ def example_value(hint: Any, salt: int) -> Any:
         key, value = typing.get_args(hint)
         if key is int:
             return {salt: 3 * salt, 2**40: 0}
-        if value is float:
+        if value in (float, int | float):
             return {"ttft_s": 0.125 * salt, "e2e_s": 2.5}
         return {"model": "tiny", "nested": {"ids": [1, 2, 3], "ok": True, "raw": b"\x00\xff", "none": None}}
     if dataclasses.is_dataclass(hint):
