@@ -225,7 +225,8 @@ class SchedulerProcess:
         for sock in self.to_workers:
             sock.send(data, copy=False)
         self.last_sent = time.monotonic()
-        self.unfinished[plan.step_id] = self.last_sent
+        if plan.step_id >= 0:  # step -1 only tells workers which requests finished: nothing answers it
+            self.unfinished[plan.step_id] = self.last_sent
         if self.step_log.enabled:
             self.step_log.write({
                 "step": plan.step_id, "t_sent": t1, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),

@@ -91,6 +91,8 @@ def test_a_stopped_worker_brings_the_engine_down_after_the_step_timeout(
     monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", "2")
     llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256, tensor_parallel_size=tp)
     assert llm.generate(["warm"], GREEDY, use_tqdm=False)[0]["token_ids"]  # healthy steps are not timed out
+    time.sleep(4)  # idle for twice the timeout: an idle engine is not stuck
+    assert llm.generate(["warm"], GREEDY, use_tqdm=False)[0]["token_ids"]
     worker = llm.engine.procs[f"worker-tp{tp - 1}"]
     os.kill(worker.pid, signal.SIGSTOP)
     t0 = time.monotonic()
