@@ -42,7 +42,11 @@ def step_timeout_s() -> float:
     """DELTASERVE_STEP_TIMEOUT_S: seconds a step may stay unfinished before the scheduler declares a
     worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts the
     engine down with that message (default 300; 0 turns the watchdog off)."""
-    value = float(os.environ.get("DELTASERVE_STEP_TIMEOUT_S", "300"))
-    if value < 0:
-        raise ValueError(f"DELTASERVE_STEP_TIMEOUT_S must be >= 0, got {value}")
+    raw = os.environ.get("DELTASERVE_STEP_TIMEOUT_S", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also refuses NaN, which would silently turn the watchdog off
+        raise ValueError(f"DELTASERVE_STEP_TIMEOUT_S must be a number >= 0, got {raw!r}")
     return value
