@@ -19,22 +19,36 @@ pytest.importorskip("triton")
 from kernels import all_reduce as ar  # noqa: E402
 
 MAX_BYTES = 4 << 20
-# Calls of mixed sizes: one element, partial chunks, and more chunks than programs (several per program).
-SIZES = (1, 5, 2048, 3000, 1, ar.GRID * ar.BLOCK + 77, 16, 4096)
+# Calls of mixed sizes: one element, partial chunks, and more chunks than programs (several per
+# program); `(rows, hidden)` calls sum, add the residual and RMS-normalise (hidden not a power of
+# two; more rows than programs), interleaved with the plain sums on the same buffers.
+CALLS = (1, 5, (3, 96), 2048, 3000, (ar.GRID + 5, 40), 1, ar.GRID * ar.BLOCK + 77, (1, 1024), 16, 4096)
+EPS = 1e-6
 
 
-def _x(call: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(n, generator=torch.Generator().manual_seed(100 * call + rank)) * 4).to(dtype)
+def _x(call: int, rank: int, shape: int | tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(100 * call + rank)) * 4).to(dtype)
+
+
+def _residual_and_weight(call: int, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + call)  # the same on every rank: the residual stream is replicated
+    return torch.randn(shape, generator=g).to(dtype), (torch.rand(shape[1], generator=g) + 0.5).to(dtype)
 
 
 def _rank(rank: int, world: int, buffers: list[torch.Tensor], dtype: torch.dtype, queue) -> None:
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # as mapped in this process
     epochs = torch.zeros(ar.GRID, dtype=torch.int64)
     outs = []
-    for call, n in enumerate(SIZES):
-        x = _x(call, rank, n, dtype)
-        out = ar.one_shot_all_reduce(x, torch.empty_like(x), buffers[rank], bases, epochs, rank, world, MAX_BYTES)
-        outs.append(out.float().numpy())  # plain arrays: tensors in a queue would need this process alive
+    for call, shape in enumerate(CALLS):
+        x = _x(call, rank, shape, dtype)
+        if isinstance(shape, tuple):
+            residual, weight = _residual_and_weight(call, shape, dtype)
+            out, residual = ar.one_shot_all_reduce_add_rms_norm(x, residual, weight, EPS, torch.empty_like(x),
+                                                                buffers[rank], bases, epochs, rank, world, MAX_BYTES)
+            outs.append((out.float().numpy(), residual.float().numpy()))
+        else:
+            out = ar.one_shot_all_reduce(x, torch.empty_like(x), buffers[rank], bases, epochs, rank, world, MAX_BYTES)
+            outs.append(out.float().numpy())  # plain arrays: tensors in a queue would need this process alive
     queue.put((rank, outs, epochs.tolist()))
 
 
@@ -62,10 +76,24 @@ def test_ranks_get_the_rank_order_sum_of_every_call(world: int, dtype: torch.dty
         for p in procs:
             p.join(timeout=10)
             p.kill()
-    for call, n in enumerate(SIZES):
-        expected = _x(call, 0, n, dtype).float()
+    for call, shape in enumerate(CALLS):
+        expected = _x(call, 0, shape, dtype).float()
         for r in range(1, world):
-            expected = expected + _x(call, r, n, dtype).float()  # float32, in rank order, like the kernel
+            expected = expected + _x(call, r, shape, dtype).float()  # float32, in rank order, like the kernel
+        if isinstance(shape, tuple):
+            residual, weight = _residual_and_weight(call, shape, dtype)
+            new_residual = expected + residual.float()
+            normed = new_residual * torch.rsqrt(new_residual.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+            # float32: the roundings to the dtype are exact. bf16: the sum (|x| < 32) and the residual add
+            # are rounded (toward zero by the interpreter), a bf16 step of 1/8 each at most.
+            exact = dtype == torch.float32
+            for r in range(world):
+                got_out, got_residual = (torch.from_numpy(a) for a in results[r][0][call])
+                assert torch.allclose(got_residual, new_residual, rtol=0, atol=0 if exact else 0.25), (call, r)
+                assert torch.allclose(got_out, normed, rtol=1e-5 if exact else 2**-6,
+                                      atol=1e-6 if exact else 0.1), (call, r)
+                assert all((a == b).all() for a, b in zip(results[r][0][call], results[0][0][call]))
+            continue
         for r in range(world):
             got = torch.from_numpy(results[r][0][call])
             if dtype == torch.float32:
@@ -73,7 +101,7 @@ def test_ranks_get_the_rank_order_sum_of_every_call(world: int, dtype: torch.dty
             else:  # the interpreter rounds float32 -> bf16 toward zero, a GPU to nearest: one bf16 step apart at most
                 assert torch.allclose(got, expected, rtol=2**-7, atol=0), (call, r)
             assert torch.equal(got, torch.from_numpy(results[0][0][call]))  # bit-identical on every rank
-    assert all(results[r][1] == [len(SIZES)] * ar.GRID for r in range(world))
+    assert all(results[r][1] == [len(CALLS)] * ar.GRID for r in range(world))
 
 
 def test_too_large_or_strided_tensors_are_refused() -> None:
