@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, EngineConfig
 from deltaserve import LLM, SamplingParams
@@ -58,6 +60,22 @@ def test_tp2_samples_the_same_tokens_as_tp1(tiny_qwen3: Path, engine_factory) ->
 
 def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory) -> None:
     model = make_tiny_checkpoint("qwen3", tmp_path / "mqa", qwen3_tokenizer_dir, num_key_value_heads=1)
+    llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)
+    outs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
+    for ids, out in zip(prompt_ids(model), outs):
+        assert out["token_ids"] == hf_greedy(str(model), tuple(ids))
+
+
+def test_row_parallel_biases_are_added_once(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory) -> None:
+    """o_proj and down_proj leave their sums to the next norm; their biases count once (rank 0)."""
+    model = make_tiny_checkpoint("llama", tmp_path / "bias", qwen3_tokenizer_dir, attention_bias=True, mlp_bias=True)
+    weights = load_file(model / "model.safetensors")
+    biases = [name for name in weights if name.endswith("bias")]
+    assert any("o_proj" in n for n in biases) and any("down_proj" in n for n in biases)
+    g = torch.Generator().manual_seed(5)
+    for name in biases:  # transformers starts biases at zero
+        weights[name] = torch.randn(weights[name].shape, generator=g)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)
     outs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
     for ids, out in zip(prompt_ids(model), outs):

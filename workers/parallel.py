@@ -72,6 +72,12 @@ class PeerAllReduce:
         return self.kernel.one_shot_all_reduce(x, torch.empty_like(x), self.buffer, self.bases, self.epochs,
                                                _rank, _world_size, self.max_bytes)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel.one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, torch.empty_like(x),
+                                                            self.buffer, self.bases, self.epochs, _rank,
+                                                            _world_size, self.max_bytes)
+
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
                          dtype: torch.dtype = torch.bfloat16) -> None:
@@ -130,6 +136,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _peer_all_reduce(x)
     dist.all_reduce(x)
     return x
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sum of `x` over the group plus `residual`, RMS-normalised, in one kernel (CUDA, peer path):
+    returns (normed, new residual), `residual` updated in place; or None where that kernel does not
+    apply (a single rank, NCCL only, or a tensor too large), and the caller runs the steps apart.
+
+    x, residual `[T, hidden]` in the model dtype; weight `[hidden]`. Every rank makes the same
+    choice, since it depends only on shapes, dtypes and the group's shared set-up.
+    """
+    peer = _peer_all_reduce
+    if (_world_size == 1 or peer is None or not peer.accepts(x) or not residual.is_contiguous()
+            or residual.dtype != x.dtype or x.shape[-1] > peer.kernel.MAX_NORM_HIDDEN):
+        return None
+    return peer.add_rms_norm(x, residual, weight, eps)
 
 
 def all_gather(x: torch.Tensor) -> torch.Tensor:

@@ -118,11 +118,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce.
 
-    The bias is added once, after the sum.
+    The bias is added once, after the sum. With `reduce_results=False` the layer returns this
+    rank's partial output (bias added on rank 0 only) and the caller sums it, so the all-reduce
+    can be fused with what follows (`RMSNorm.reduce_add`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True) -> None:
         super().__init__(_divide(in_features, tp_size(), "input features"), out_features, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: not split
@@ -133,8 +136,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if tp_size() > 1:
+        if tp_size() > 1 and self.reduce_results:
             y = all_reduce(y)
-        if self.bias is not None:
+        if self.bias is not None and (self.reduce_results or tp_rank() == 0):
             y = y + self.bias
         return y

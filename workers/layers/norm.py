@@ -1,11 +1,13 @@
-"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add before it."""
+"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add before it, and at tensor
+parallelism with the all-reduce before that."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from workers.layers.fused import fused
+from workers import parallel
+from workers.layers.fused import fused, fused_kernels_enabled
 
 
 @fused
@@ -36,4 +38,16 @@ class RMSNorm(nn.Module):
         """x `[..., hidden]`. With `residual`, returns (norm(x + residual), x + residual)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def reduce_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, hidden]`: this rank's partial output of a row-parallel layer (`reduce_results=False`).
+        Returns (norm(sum of x over ranks + residual), sum + residual); `residual` may be updated in
+        place. At TP > 1 on GPUs with the fused kernels on, the three steps are one kernel."""
+        if parallel.tp_size() > 1:
+            if fused_kernels_enabled(x):
+                done = parallel.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+                if done is not None:
+                    return done
+            x = parallel.all_reduce(x)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -37,7 +37,8 @@ class LlamaAttention(nn.Module):
         num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         bias = bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, num_kv, bias=bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
+        # o_proj and down_proj leave their sums to the norms after them (RMSNorm.reduce_add)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias, reduce_results=False)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.rotary_emb = RotaryEmbedding(cfg, d, max_position)
@@ -47,7 +48,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """positions `[T]` int64, x `[T, hidden_size]` -> `[T, hidden_size]`; stores this step's k/v."""
+        """positions `[T]` int64, x `[T, hidden_size]` -> `[T, hidden_size]`, this rank's partial sum
+        of the output (o_proj does not all-reduce); stores this step's k/v."""
         qkv = self.qkv_proj(x)
         if fused_kernels_enabled(qkv):
             return self.o_proj(self.attn.attend(self._norm_rope_store_fused(positions, qkv, meta), meta))
@@ -81,10 +83,11 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden_size]` -> this rank's partial sum of the output (down_proj does not all-reduce)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -100,12 +103,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embeddings (first layer, `residual` None) or the previous layer's partial MLP
+        output. Returns (this layer's partial MLP output, residual stream before it); the sums over
+        ranks happen in the norms (all-reduce + residual add + RMSNorm)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm.reduce_add(x, residual)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm.reduce_add(x, residual)
         return self.mlp(x), residual
 
 
@@ -123,7 +129,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm.reduce_add(x, residual)
         return x
 
 
