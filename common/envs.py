@@ -1,8 +1,50 @@
-"""Every environment variable deltaserve reads, in one place."""
+"""Every environment variable deltaserve reads, in one place.
+
+Each reader refuses a bad value with a `ValueError` naming the variable, the value and what is
+accepted; `check_all()` reads them all, so the launcher refuses a bad setting before it starts
+any process.
+"""
 
 from __future__ import annotations
 
 import os
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str) -> float:
+    """The float in variable `name` (`default` when unset), refused unless > `minimum` (or == with
+    `allow_minimum`). NaN and non-numbers are refused: NaN compares false with every bound."""
+    raw = os.environ.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= minimum if allow_minimum else value > minimum):
+        bound = f"{'>=' if allow_minimum else '>'} {minimum:g}"
+        raise ValueError(f"{name} must be a number {bound} ({meaning}), got {raw!r}")
+    return value
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The value of variable `name` (`default` when unset), refused unless one of `choices`."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def _flag(name: str) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case; unset or empty is false)."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"{name} must be one of {'/'.join(TRUE_WORDS)} or {'/'.join(w for w in FALSE_WORDS if w)} "
+                     f"(any case), got {raw!r}")
 
 
 def cache_dir() -> str:
@@ -11,9 +53,10 @@ def cache_dir() -> str:
 
 
 def check_invariants() -> bool:
-    """DELTASERVE_CHECK_INVARIANTS=1: the scheduler asserts its block-accounting invariants after every
-    step (slow; for tests). A violation kills the engine with the failed assertion as the message."""
-    return os.environ.get("DELTASERVE_CHECK_INVARIANTS", "") == "1"
+    """DELTASERVE_CHECK_INVARIANTS=1 (or true/yes/on): the scheduler asserts its block-accounting
+    invariants after every step (slow; for tests). A violation kills the engine with the failed
+    assertion as the message."""
+    return _flag("DELTASERVE_CHECK_INVARIANTS")
 
 
 def step_log_dir() -> str | None:
@@ -25,28 +68,26 @@ def step_log_dir() -> str | None:
 
 def client_silence_s() -> float:
     """DELTASERVE_CLIENT_SILENCE_S: seconds after which a client that sends nothing (waiting clients
-    ping every 2 s) counts as gone and its requests are aborted (default 60)."""
-    return float(os.environ.get("DELTASERVE_CLIENT_SILENCE_S", "60"))
+    ping every 2 s) counts as gone and its requests are aborted (default 60; must be > 0)."""
+    return _number("DELTASERVE_CLIENT_SILENCE_S", "60", 0.0, allow_minimum=False, meaning="seconds")
 
 
 def all_reduce_impl() -> str:
     """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
     GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
-    value = os.environ.get("DELTASERVE_ALL_REDUCE", "auto")
-    if value not in ("auto", "nccl"):
-        raise ValueError(f"DELTASERVE_ALL_REDUCE must be 'auto' or 'nccl', got {value!r}")
-    return value
+    return _choice("DELTASERVE_ALL_REDUCE", "auto", ("auto", "nccl"))
 
 
 def step_timeout_s() -> float:
     """DELTASERVE_STEP_TIMEOUT_S: seconds a step may stay unfinished before the scheduler declares a
     worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts the
     engine down with that message (default 300; 0 turns the watchdog off)."""
-    raw = os.environ.get("DELTASERVE_STEP_TIMEOUT_S", "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:  # also refuses NaN, which would silently turn the watchdog off
-        raise ValueError(f"DELTASERVE_STEP_TIMEOUT_S must be a number >= 0, got {raw!r}")
-    return value
+    return _number("DELTASERVE_STEP_TIMEOUT_S", "300", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
+
+
+def check_all() -> None:
+    """Read every variable once; raises `ValueError` naming the first bad one."""
+    client_silence_s()
+    all_reduce_impl()
+    step_timeout_s()
+    check_invariants()

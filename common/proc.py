@@ -122,6 +122,7 @@ def engine_process_main(kind: str, description: str, factory: Callable[..., Any]
     setup_process(name, config.log_level, args.parent_pid)
 
     def body() -> None:
+        envs.check_all()  # also in a worker started by hand, whose environment the launcher never saw
         proc = factory(config, endpoints, args)
         try:
             with maybe_profile(config.profile_dir, f"{name}-{os.getpid()}"):

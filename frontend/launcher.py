@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from common import ipc
+from common import envs, ipc
 from common.config import EngineConfig
 from common.protocol import ProcessFailed, ProcessReady, ProtocolError, decode
 
@@ -40,7 +40,8 @@ class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
                  host: str = "127.0.0.1", local_ranks: list[int] | None = None,
                  on_external_worker: Any = None) -> None:
-        """`config` is resolved here (raises `ConfigError` for an unusable model or setting).
+        """`config` is resolved here (raises `ConfigError` for an unusable model or setting, and
+        `ValueError` naming a bad DELTASERVE_* environment variable, before any process starts).
 
         `local_ranks`: the worker ranks started here (default: all). Every other rank is an external
         worker, started by hand (e.g. on a second host) with the command `worker_command(rank)`;
@@ -48,6 +49,7 @@ class EngineProcesses:
         and a `host` address the other host can reach.
         """
         self.config = config.resolve()
+        envs.check_all()
         tp = self.config.tensor_parallel_size
         self.local_ranks = sorted(set(range(tp) if local_ranks is None else local_ranks))
         if not set(self.local_ranks) <= set(range(tp)):

@@ -1,0 +1,69 @@
+"""Environment variables: every bad value is refused with an error naming the variable and what it accepts,
+before the engine starts any process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common import envs
+from common.config import EngineConfig
+from frontend.launcher import EngineProcesses
+from tests.test_config import write_checkpoint
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "NaN", "soon", ""])
+def test_client_silence_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_CLIENT_SILENCE_S", value)
+    with pytest.raises(ValueError, match=r"DELTASERVE_CLIENT_SILENCE_S must be a number > 0 \(seconds\), got"):
+        envs.client_silence_s()
+
+
+def test_client_silence_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DELTASERVE_CLIENT_SILENCE_S", raising=False)
+    assert envs.client_silence_s() == 60.0
+    monkeypatch.setenv("DELTASERVE_CLIENT_SILENCE_S", "2.5")
+    assert envs.client_silence_s() == 2.5
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "never"])
+def test_step_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match="DELTASERVE_STEP_TIMEOUT_S must be a number >= 0"):
+        envs.step_timeout_s()
+
+
+@pytest.mark.parametrize("value", ["bogus", "NCCL", ""])
+def test_all_reduce_must_be_auto_or_nccl(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_ALL_REDUCE", value)
+    with pytest.raises(ValueError, match="DELTASERVE_ALL_REDUCE must be one of 'auto', 'nccl', got"):
+        envs.all_reduce_impl()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("Yes", True), ("ON", True),
+                                                 ("0", False), ("False", False), ("no", False), ("off", False),
+                                                 ("", False)])
+def test_check_invariants_takes_the_usual_boolean_spellings(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           expected: bool) -> None:
+    monkeypatch.setenv("DELTASERVE_CHECK_INVARIANTS", value)
+    assert envs.check_invariants() is expected
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "y"])
+def test_check_invariants_refuses_other_words_by_name(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_CHECK_INVARIANTS", value)
+    with pytest.raises(ValueError, match="DELTASERVE_CHECK_INVARIANTS must be one of 1/true/yes/on or 0/false/no/off"):
+        envs.check_invariants()
+
+
+@pytest.mark.parametrize(("name", "value"), [("DELTASERVE_ALL_REDUCE", "bogus"),
+                                             ("DELTASERVE_CLIENT_SILENCE_S", "0"),
+                                             ("DELTASERVE_CHECK_INVARIANTS", "maybe")])
+def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     name: str, value: str) -> None:
+    """DELTASERVE_ALL_REDUCE is only used by GPU tensor parallelism, but a typo is refused on CPU too."""
+    model = write_checkpoint(tmp_path / "m")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        EngineProcesses(EngineConfig(model, device="cpu"))
