@@ -78,11 +78,18 @@ def all_reduce_impl() -> str:
     return _choice("DELTASERVE_ALL_REDUCE", "auto", ("auto", "nccl"))
 
 
-def step_timeout_s() -> float:
+# A CPU step can legitimately take minutes: an 8k-token prefill chunk of the 135M demo model took 203 s.
+STEP_TIMEOUT_DEFAULT_S = 300.0
+STEP_TIMEOUT_DEFAULT_CPU_S = 3600.0
+
+
+def step_timeout_s(on_cpu: bool = False) -> float:
     """DELTASERVE_STEP_TIMEOUT_S: seconds a step may stay unfinished before the scheduler declares a
     worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts the
-    engine down with that message (default 300; 0 turns the watchdog off)."""
-    return _number("DELTASERVE_STEP_TIMEOUT_S", "300", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
+    engine down with that message (default 300 on GPUs, 3600 when the workers run on CPU; 0 turns
+    the watchdog off)."""
+    default = STEP_TIMEOUT_DEFAULT_CPU_S if on_cpu else STEP_TIMEOUT_DEFAULT_S
+    return _number("DELTASERVE_STEP_TIMEOUT_S", f"{default:g}", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
 def check_all() -> None:

@@ -58,7 +58,7 @@ class SchedulerProcess:
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
         self.unfinished: dict[int, float] = {}  # step id -> when its plan was sent (monotonic)
-        self.step_timeout_s = envs.step_timeout_s()
+        self.step_timeout_s = envs.step_timeout_s()  # its CPU default once the workers say where they run
         self.check_invariants = envs.check_invariants()
         self.step_log = StepLog("scheduler")
 
@@ -70,6 +70,7 @@ class SchedulerProcess:
             msg = self._recv_worker()
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg
+        self.step_timeout_s = envs.step_timeout_s(on_cpu=any(r.device == "cpu" for r in ready.values()))
         num_blocks = min(r.max_num_kv_blocks for r in ready.values())
         if num_blocks <= 0:
             raise RuntimeError(
@@ -101,7 +102,7 @@ class SchedulerProcess:
                        f"{cfg.max_model_len}: longer requests stop with finish reason 'length'")
             log.warning(warning)
         info = {"kv_bytes_per_block": ready[0].kv_bytes_per_block, "devices": [ready[r].device for r in sorted(ready)],
-                "warning": warning}
+                "step_timeout_s": self.step_timeout_s, "warning": warning}
         ipc.send(self.to_frontend, EngineReady(num_blocks, cfg.block_size, info))
         ipc.send(self.control, ProcessReady("scheduler", {"num_kv_blocks": num_blocks}))
         log.info("scheduler ready: %d KV blocks of %d tokens", num_blocks, cfg.block_size)

@@ -50,6 +50,11 @@ def submit_and_wait(llm: LLM, requests: list[GenerateRequest], all_or_nothing: b
         client.close()
 
 
+def test_a_cpu_engine_watches_its_steps_with_the_cpu_default_timeout(llm: LLM) -> None:
+    assert llm.info["devices"] == ["cpu"]
+    assert llm.info["step_timeout_s"] == 3600.0
+
+
 def test_empty_prompt_fails_alone_and_the_others_are_served(llm: LLM, tiny_qwen3: Path) -> None:
     outs = llm.generate(["hello", "", "world"], GREEDY8, use_tqdm=False)
     assert outs[1]["finish_reason"] == "error" and "empty" in outs[1]["error"]

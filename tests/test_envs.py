@@ -67,3 +67,12 @@ def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: P
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         EngineProcesses(EngineConfig(model, device="cpu"))
+
+
+def test_step_timeout_default_is_an_hour_on_cpu_and_five_minutes_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 8k-token prefill chunk of the 135M demo model took 203 s on CPU: 300 s would kill healthy engines."""
+    monkeypatch.delenv("DELTASERVE_STEP_TIMEOUT_S", raising=False)
+    assert envs.step_timeout_s() == 300.0
+    assert envs.step_timeout_s(on_cpu=True) == 3600.0
+    monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", "42")
+    assert envs.step_timeout_s(on_cpu=True) == envs.step_timeout_s() == 42.0
