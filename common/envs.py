@@ -92,9 +92,17 @@ def step_timeout_s(on_cpu: bool = False) -> float:
     return _number("DELTASERVE_STEP_TIMEOUT_S", f"{default:g}", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
+def scheduler_timeout_s() -> float:
+    """DELTASERVE_SCHEDULER_TIMEOUT_S: seconds the frontend waits for any word from the scheduler (which
+    pings it every second, busy or idle) before declaring it stopped or stuck, failing every pending
+    request and shutting the engine down with that message (default 30; 0 turns the check off)."""
+    return _number("DELTASERVE_SCHEDULER_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
+
+
 def check_all() -> None:
     """Read every variable once; raises `ValueError` naming the first bad one."""
     client_silence_s()
+    scheduler_timeout_s()
     all_reduce_impl()
     step_timeout_s()
     check_invariants()

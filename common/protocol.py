@@ -202,7 +202,9 @@ class EngineInfo:
 
 @_message
 class Ping:
-    """Client -> frontend: are you alive? Answered by `Pong` with the same nonce."""
+    """Client -> frontend: are you alive? Answered by `Pong` with the same nonce.
+
+    Also the scheduler's heartbeat, never answered: to the frontend every second, and to idle workers."""
 
     nonce: int = 0
 

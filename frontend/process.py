@@ -4,6 +4,10 @@ One loop: take client messages (ROUTER socket, one DEALER per client) -> validat
 each request -> forward it to the scheduler; take the scheduler's per-step token ids ->
 detokenize incrementally -> send each client the news of its requests.
 
+Liveness: clients ping this process, and it pings nobody; the scheduler pings it every second.
+A scheduler silent for DELTASERVE_SCHEDULER_TIMEOUT_S (stopped, or stuck without exiting, which
+the launcher cannot see) fails every pending request and ends this process, and with it the engine.
+
 Validation happens here, per request, before anything is queued: a bad request gets an error
 output naming the limit, and the others in the same message go ahead.
 """
@@ -132,6 +136,8 @@ class FrontendProcess:
         self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True)
         self.last_seen: dict[bytes, float] = {}  # client identity -> time.monotonic() of its last message
         self.client_silence_s = envs.client_silence_s()
+        self.scheduler_timeout_s = envs.scheduler_timeout_s()
+        self.scheduler_last_heard = time.monotonic()
         self.client_address = endpoints.client
         self.requests: dict[int, RequestState] = {}  # by seq_id
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
@@ -165,11 +171,14 @@ class FrontendProcess:
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)
         next_check = time.monotonic() + 1.0
+        self.scheduler_last_heard = time.monotonic()
         while True:
             events = dict(poller.poll(1000))
             if self.from_scheduler in events:
                 for raw in ipc.recv_all(self.from_scheduler):
                     self._handle_scheduler(raw)
+                self.scheduler_last_heard = time.monotonic()
+            self._check_scheduler()  # right after reading its socket, before a long submission can delay us
             if self.clients in events:
                 while True:
                     try:
@@ -199,6 +208,30 @@ class FrontendProcess:
         if seq_ids:
             log.warning("%d clients went silent: aborting their %d requests", len(gone), len(seq_ids))
             ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
+
+    def _check_scheduler(self) -> None:
+        """Raise if the scheduler has sent nothing (not even its once-a-second ping) for
+        DELTASERVE_SCHEDULER_TIMEOUT_S seconds, after giving every pending request that error.
+
+        A stopped or stuck scheduler does not exit, so the launcher does not notice it, and clients
+        would wait forever since this process keeps answering their pings. The raised error ends
+        this process; the launcher then stops the others (resuming a stopped one) with its message.
+        """
+        silent = time.monotonic() - self.scheduler_last_heard
+        if not self.scheduler_timeout_s or silent <= self.scheduler_timeout_s:
+            return
+        why = (f"the scheduler has sent nothing for {silent:.0f} s (DELTASERVE_SCHEDULER_TIMEOUT_S="
+               f"{self.scheduler_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
+        now = time.time()
+        per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for st in self.requests.values():
+            out = self._output(st, now, finished=True)
+            out.finish_reason, out.error = "error", why
+            per_client[st.client].append(out)
+        for client, outputs in per_client.items():
+            self._reply(client, RequestOutputs(outputs))
+        self.clients.setsockopt(zmq.LINGER, 2000)  # close() must not drop these errors
+        raise RuntimeError(why)
 
     def _handle_client(self, client: bytes, raw: bytes) -> None:
         self.last_seen[client] = time.monotonic()
@@ -282,6 +315,8 @@ class FrontendProcess:
     # ------------------------------------------------------------------ scheduler outputs
     def _handle_scheduler(self, raw: bytes) -> None:
         msg = decode(raw)
+        if isinstance(msg, Ping):  # the scheduler's heartbeat
+            return
         if not isinstance(msg, StepOutputs):
             log.error("unexpected %s from the scheduler", type(msg).__name__)
             return

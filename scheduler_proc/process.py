@@ -8,6 +8,8 @@ Loop (policy lives in `scheduler.py`, this file only moves messages):
 2. take the workers' `StepResult`s, turn them into `StepOutputs` for the frontend;
 3. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
    rank. A line of timing per step goes to the log at DEBUG level.
+Every second, busy or idle, it also pings the frontend, which takes a scheduler silent for
+DELTASERVE_SCHEDULER_TIMEOUT_S for a stopped or stuck one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from scheduler_proc.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("deltaserve.scheduler")
 HEARTBEAT_S = 2.0  # an idle scheduler pings the workers this often
+FRONTEND_HEARTBEAT_S = 1.0  # the scheduler pings the frontend this often, busy or idle (DELTASERVE_SCHEDULER_TIMEOUT_S)
 
 
 class SchedulerProcess:
@@ -126,9 +129,13 @@ class SchedulerProcess:
         poller.register(self.from_frontend, zmq.POLLIN)
         poller.register(self.from_workers, zmq.POLLIN)
         self.last_sent = time.monotonic()
+        next_beat = time.monotonic()
         while True:
+            if time.monotonic() >= next_beat:  # the frontend takes a silent scheduler for a stopped one
+                ipc.send(self.to_frontend, Ping())
+                next_beat = time.monotonic() + FRONTEND_HEARTBEAT_S
             busy = sched.can_schedule() and (sched.waiting or sched.running or sched.finished_for_workers)
-            events = dict(poller.poll(0 if busy else 1000))
+            events = dict(poller.poll(0 if busy else max(1, int((next_beat - time.monotonic()) * 1000))))
             if self.from_frontend in events:
                 for raw in ipc.recv_all(self.from_frontend):
                     if self._handle_frontend(raw):

@@ -313,6 +313,31 @@ def test_a_killed_worker_brings_the_engine_down_with_a_clear_message(tiny_qwen3:
         llm.generate(["again"], GREEDY8, use_tqdm=False)
 
 
+def test_a_stopped_scheduler_fails_the_requests_and_brings_the_engine_down(tiny_qwen3: Path, engine_factory,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped scheduler does not exit and the frontend still answers client pings, so without its
+    heartbeat a client would wait forever: the frontend fails the requests and ends the engine instead."""
+    monkeypatch.setenv("DELTASERVE_SCHEDULER_TIMEOUT_S", "3")
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256)
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    time.sleep(4)  # idle for longer than the timeout: an idle scheduler still pings
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    os.kill(llm.engine.procs["scheduler"].pid, signal.SIGSTOP)
+    client = EngineClient(llm.engine.endpoints.client)  # a served client: no launcher to watch
+    t0 = time.monotonic()
+    try:
+        out = list(client.generate("anyone there?", GREEDY8, stream=False))[-1]
+    finally:
+        client.close()
+    assert out.finish_reason == "error" and "the scheduler has sent nothing" in out.error
+    assert "DELTASERVE_SCHEDULER_TIMEOUT_S=3" in out.error
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(EngineDeadError, match="the scheduler has sent nothing"):
+        llm.generate(["again"], GREEDY8, use_tqdm=False)
+    llm.shutdown()
+    assert all(p.poll() is not None for p in llm.engine.procs.values())
+
+
 def test_shutdown_stops_every_process_promptly_without_sigkill(tiny_qwen3: Path) -> None:
     llm = LLM(str(tiny_qwen3), device="cpu", block_size=16, max_model_len=256)
     llm.generate(["warm up"], GREEDY8, use_tqdm=False)

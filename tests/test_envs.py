@@ -76,3 +76,10 @@ def test_step_timeout_default_is_an_hour_on_cpu_and_five_minutes_on_gpus(monkeyp
     assert envs.step_timeout_s(on_cpu=True) == 3600.0
     monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", "42")
     assert envs.step_timeout_s(on_cpu=True) == envs.step_timeout_s() == 42.0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "later"])
+def test_scheduler_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_SCHEDULER_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match="DELTASERVE_SCHEDULER_TIMEOUT_S must be a number >= 0"):
+        envs.scheduler_timeout_s()
