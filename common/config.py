@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
@@ -65,6 +67,13 @@ class EngineConfig:
             if not isinstance(value, kinds) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
+        for f in dataclasses.fields(self):  # numpy numbers are taken as the Python ones (what JSON carries)
+            value = getattr(self, f.name)
+            if isinstance(value, np.generic):
+                object.__setattr__(self, f.name, value.item())
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
+                object.__setattr__(self, f.name, type(value)(v.item() if isinstance(v, np.generic) else v
+                                                             for v in value))
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model must be a folder path, got {self.model!r}")
         object.__setattr__(self, "model", os.fspath(self.model))

@@ -367,6 +367,43 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, cls.__name__, *_to_wire(msg)], use_bin_type=True)
 
 
+def wire_error(value: Any, where: str = "") -> str | None:
+    """Why `value` (a message, a struct or a field value) cannot be encoded, naming the first bad
+    part by its path under `where` (e.g. "prompt_token_ids[1]"); None if it can.
+
+    msgpack takes integers in [-2**63, 2**64), text that encodes as UTF-8 (no lone surrogates),
+    floats, bytes, None, lists and maps of those, and the int32 arrays of this module.
+    """
+    if value is None or isinstance(value, (bool, float, bytes, np.ndarray)):
+        return None
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**64:
+            return None
+        return f"{where} is {value}, which does not fit in 64 bits"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"{where} is not valid Unicode text: it holds the lone surrogate {value[exc.start]!r} at index "
+                    f"{exc.start}, which has no UTF-8 encoding")
+        return None
+    if type(value) in _HINTS:
+        for name, _ in _HINTS[type(value)]:
+            why = wire_error(getattr(value, name), f"{where}.{name}" if where else name)
+            if why is not None:
+                return why
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((why for i, v in enumerate(value) if (why := wire_error(v, f"{where}[{i}]")) is not None), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            why = wire_error(k, f"{where} key {k!r}") or wire_error(v, f"{where}[{k!r}]")
+            if why is not None:
+                return why
+        return None
+    return f"{where} is a {type(value).__name__}, which cannot be sent (use int, float, str, list or dict)"
+
+
 def decode(data: bytes) -> Any:
     """Decode bytes into a message. Raises `ProtocolError` for anything malformed."""
     try:

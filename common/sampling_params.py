@@ -6,10 +6,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+TOKEN_ID_LIMIT = 2**63  # token ids and counts travel as 64-bit integers
+
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
+
+    Numpy numbers are accepted wherever Python ones are (and a numpy array as `stop_token_ids`);
+    they are stored as Python numbers, which is what travels to the engine.
 
     - `temperature`: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature)
       by the Gumbel-max trick. Negative or non-finite values raise `ValueError`.
@@ -33,13 +40,21 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the bad field and the allowed range."""
+        """Raise `ValueError` naming the bad field and the allowed range (numpy numbers become Python ones)."""
+        for name in ("temperature", "max_tokens", "seed", "ignore_eos", "skip_special_tokens"):
+            if isinstance(getattr(self, name), np.generic):
+                setattr(self, name, getattr(self, name).item())
+        if isinstance(self.stop_token_ids, np.ndarray):
+            self.stop_token_ids = self.stop_token_ids.tolist()
+        elif isinstance(self.stop_token_ids, (list, tuple)) and any(isinstance(i, np.generic)
+                                                                    for i in self.stop_token_ids):
+            self.stop_token_ids = [i.item() if isinstance(i, np.generic) else i for i in self.stop_token_ids]
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         m = self.max_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {m!r}")
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m < TOKEN_ID_LIMIT:
+            raise ValueError(f"max_tokens must be an integer in [1, 2**63), got {m!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -47,9 +62,9 @@ class SamplingParams:
                                       or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < TOKEN_ID_LIMIT for i in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), got {self.stop_token_ids!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

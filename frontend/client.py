@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import numbers
 import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -34,12 +35,42 @@ from common.protocol import (
     RequestOutputs,
     Submit,
     decode,
+    encode,
+    wire_error,
 )
 from common.sampling_params import SamplingParams
 
 
 class EngineConnectionError(RuntimeError):
     """The engine did not answer (not running, wrong address, or it died)."""
+
+
+def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
+    """Put `prompt` into `req`: a str as `prompt`; integer token ids (a list, a tuple, a numpy array
+    or torch tensor, numpy integers) as `prompt_token_ids`; with `allow_messages`, a list of
+    {"role", "content"} dicts as `messages`.
+
+    Raises `TypeError` for anything else, bytes included (they are not token ids: decode them first).
+    """
+    if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # a numpy array or torch tensor of token ids
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a prompt must be a str or a sequence of integer token ids, not {type(prompt).__name__}: "
+                        f"decode it to str first")
+    elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        req.messages = prompt
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
+        req.prompt_token_ids = prompt
+    elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                              for t in prompt):
+        req.prompt_token_ids = [int(t) for t in prompt]
+    else:
+        bad = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), prompt) \
+            if isinstance(prompt, Sequence) else prompt
+        kinds = "a str, a sequence of integer token ids" + (" or chat messages" if allow_messages else "")
+        raise TypeError(f"a prompt must be {kinds}; got {bad!r}")
 
 
 class EngineClient:
@@ -65,7 +96,24 @@ class EngineClient:
 
     # ------------------------------------------------------------------ sending
     def submit(self, requests: list[GenerateRequest]) -> None:
-        ipc.send(self.sock, Submit(requests))
+        """Send `requests`. One that cannot be encoded (a token id or count past 64 bits, text with a
+        lone surrogate) is not sent: it finishes at once with finish reason "error" naming the bad
+        field, and `recv_outputs` delivers it like the engine's own rejections; the others are sent."""
+        try:
+            data = encode(Submit(requests))
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
+            sendable = []
+            for req in requests:
+                why = wire_error(req)
+                if why is None:
+                    sendable.append(req)
+                else:
+                    self._pending.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                                       error=f"this request cannot be sent: {why}"))
+            if not sendable:
+                return
+            data = encode(Submit(sendable))
+        self.sock.send(data, copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
         ipc.send(self.sock, Abort(list(request_ids)))
@@ -125,17 +173,13 @@ class EngineClient:
                  stream: bool = True) -> Iterator[RequestOutput]:
         """Submit one request and yield its outputs (deltas when streaming) until it finishes.
 
-        `prompt`: text, token ids, or chat messages. Closing the iterator early aborts the request.
+        `prompt`: text, token ids, or chat messages (`set_prompt`; raises `TypeError` for other
+        types). Closing the iterator early aborts the request.
         """
         params = sampling_params or SamplingParams()
         rid = self.new_request_id()
         req = GenerateRequest(rid, sampling=params.to_dict(), stream=stream)
-        if isinstance(prompt, str):
-            req.prompt = prompt
-        elif prompt and isinstance(prompt[0], dict):
-            req.messages = list(prompt)  # type: ignore[arg-type]
-        else:
-            req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
+        set_prompt(req, prompt)
         box = self._streams[rid] = deque()
         self.submit([req])
         finished = False

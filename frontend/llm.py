@@ -20,9 +20,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
-from common.protocol import GenerateRequest
+from common.protocol import GenerateRequest, RequestOutput
 from common.sampling_params import SamplingParams
-from frontend.client import EngineClient
+from frontend.client import EngineClient, set_prompt
 from frontend.launcher import EngineProcesses
 
 log = logging.getLogger("deltaserve")
@@ -67,43 +67,43 @@ class LLM:
 
         Each dict has `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or
         "error"), `error` (why a request was rejected, else None), `num_prompt_tokens`,
-        `num_cached_tokens` and `metrics` (ttft_s, e2e_s). A rejected request (e.g. empty, or
-        longer than max_model_len) fails alone; the others run. Raises `TypeError` for prompts of
-        the wrong type, and `EngineDeadError` if an engine process dies or after `shutdown()`.
+        `num_cached_tokens` and `metrics` (ttft_s, e2e_s). A rejected request (e.g. empty, longer
+        than max_model_len, a token id out of the vocabulary or past 64 bits, text with a lone
+        surrogate, sampling parameters out of range) fails alone; the others run. Token ids may be
+        numpy arrays. Raises `TypeError` for prompts of the wrong type (bytes included: decode them
+        to str), and `EngineDeadError` if an engine process dies or after `shutdown()`.
         """
         self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling parameters for {len(prompts)} prompts")
         requests = []
-        for prompt, sp in zip(prompts, params):
+        index: dict[str, int] = {}  # request id -> prompt index
+        results: list[dict[str, Any] | None] = [None] * len(prompts)
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-            sp.validate()
-            req = GenerateRequest(self.client.new_request_id(), sampling=sp.to_dict(), stream=False)
-            if isinstance(prompt, str):
-                req.prompt = prompt
-            elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
-                req.prompt_token_ids = prompt
-            elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                      for t in prompt):
-                req.prompt_token_ids = [int(t) for t in prompt]
-            else:
-                bad = next((t for t in prompt if not isinstance(t, numbers.Integral)), prompt) \
-                    if isinstance(prompt, Sequence) else prompt
-                raise TypeError(f"a prompt must be a str or a sequence of integer token ids; got {bad!r}")
+            req = GenerateRequest(self.client.new_request_id(), stream=False)
+            set_prompt(req, prompt, allow_messages=False)
+            try:
+                sp.validate()  # again: fields may have been changed since construction
+            except ValueError as exc:
+                results[i] = self._result(i, RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                                           error=str(exc)))
+                continue
+            req.sampling = sp.to_dict()
             requests.append(req)
-        index = {r.request_id: i for i, r in enumerate(requests)}
-        results: list[dict[str, Any] | None] = [None] * len(requests)
-        self.client.submit(requests)
-        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            index[req.request_id] = i
+        if requests:
+            self.client.submit(requests)
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(requests), desc="Generating", dynamic_ncols=True,
+                   disable=not use_tqdm)
         done = 0
         try:
             while done < len(requests):
@@ -111,20 +111,25 @@ class LLM:
                     i = index.get(out.request_id)
                     if i is None or not out.finished:
                         continue
-                    if out.error:
-                        log.warning("prompt %d failed: %s", i, out.error)
-                    results[i] = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                  "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
-                                  "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics}
+                    results[i] = self._result(i, out)
                     done += 1
                     bar.update(1)
         except BaseException:
             if not self.engine.closed:
-                self.client.abort([r.request_id for r, res in zip(requests, results) if res is None])
+                self.client.abort([r.request_id for r in requests if results[index[r.request_id]] is None])
             raise
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _result(i: int, out: RequestOutput) -> dict[str, Any]:
+        """The dict `generate` returns for prompt `i`, from its final output."""
+        if out.error:
+            log.warning("prompt %d failed: %s", i, out.error)
+        return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "error": out.error,
+                "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
+                "metrics": out.metrics}
 
     def shutdown(self) -> None:
         """Stop the engine's processes (also done at exit and when the object is collected)."""

@@ -294,3 +294,12 @@ def test_from_dict_inverts_to_dict() -> None:
 def test_non_bool_flag_raises_value_error_naming_it(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         SamplingParams.from_dict({name: "false"})
+
+
+def test_numpy_numbers_are_accepted_as_settings_and_stored_as_python_ones(model_dir: str) -> None:
+    import numpy as np
+
+    config = EngineConfig(model_dir, seed=np.int64(3), max_num_seqs=np.int32(8), cuda_graph_sizes=[np.int64(2), 1],
+                          gpu_memory_utilization=np.float64(0.5))
+    assert (type(config.seed), type(config.max_num_seqs), config.cuda_graph_sizes) == (int, int, (1, 2))
+    assert EngineConfig.from_json(config.to_json()) == config

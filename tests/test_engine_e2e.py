@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
@@ -123,6 +124,67 @@ def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
     assert "characters" in outs["c"].error
     assert outs["d"].error is None and len(outs["d"].token_ids) == 2
     assert llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["finish_reason"] == "length"
+
+
+def test_inputs_that_cannot_be_sent_fail_alone_and_the_others_run(llm: LLM) -> None:
+    """A token id past 64 bits or a text with a lone surrogate cannot be encoded at all: that request fails
+    with an error naming the field, as an engine rejection would, and the others in the same call run."""
+    outs = llm.generate([[1, 2**70], "Hello", "\ud800 lone", [5, 6]], GREEDY8, use_tqdm=False)
+    assert outs[0]["finish_reason"] == "error"
+    assert f"prompt_token_ids[1] is {2**70}, which does not fit in 64 bits" in outs[0]["error"]
+    assert outs[2]["finish_reason"] == "error" and "prompt is not valid Unicode" in outs[2]["error"]
+    assert "lone surrogate '\\ud800' at index 0" in outs[2]["error"]
+    assert outs[1]["error"] is None and len(outs[1]["token_ids"]) == 8
+    assert outs[3]["error"] is None and len(outs[3]["token_ids"]) == 8
+
+
+def test_sampling_parameters_out_of_range_fail_their_own_request_only(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer in \[1, 2\*\*63\)"):
+        SamplingParams(max_tokens=2**70)
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a list of integers in \[0, 2\*\*63\)"):
+        SamplingParams(stop_token_ids=[2**70])
+    too_long, bad_stop = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8)
+    too_long.max_tokens, bad_stop.stop_token_ids = 2**70, [2**70]  # changed after the checks at construction
+    outs = llm.generate(["a", "b", "c"], [too_long, GREEDY8, bad_stop], use_tqdm=False)
+    assert outs[0]["finish_reason"] == "error" and "max_tokens" in outs[0]["error"]
+    assert outs[2]["finish_reason"] == "error" and "stop_token_ids" in outs[2]["error"]
+    assert outs[1]["error"] is None and len(outs[1]["token_ids"]) == 8
+
+
+def test_the_client_class_fails_unsendable_requests_alone(llm: LLM) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        for prompt, field in [([1, 2**70], "prompt_token_ids[1]"), ("\ud800", "prompt"),
+                              ([{"role": "user", "content": "hi \udfff"}], "messages[0]['content']")]:
+            outs = list(client.generate(prompt, GREEDY8))
+            assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "error"
+            assert outs[0].error.startswith(f"this request cannot be sent: {field} ")
+        assert len(list(client.generate([5, 6], GREEDY8, stream=False))[-1].token_ids) == 8
+    finally:
+        client.close()
+
+
+def test_bytes_are_refused_as_a_prompt_not_taken_for_token_ids(llm: LLM) -> None:
+    for prompts in (b"hello", [b"hello"], ["fine", bytearray(b"hi")]):
+        with pytest.raises(TypeError, match="decode it to str first"):
+            llm.generate(prompts, GREEDY8, use_tqdm=False)
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        with pytest.raises(TypeError, match="not bytes"):
+            next(client.generate(b"hello", GREEDY8))
+    finally:
+        client.close()
+
+
+def test_numpy_integers_are_taken_wherever_python_ints_are(llm: LLM) -> None:
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int32(6), seed=np.int64(7), ignore_eos=True,
+                            stop_token_ids=np.array([3], dtype=np.int64))
+    assert (type(params.max_tokens), type(params.seed), params.stop_token_ids) == (int, int, [3])
+    prompt = [5, 6, 7, 8]
+    outs = llm.generate([np.array(prompt), np.array(prompt, dtype=np.uint32), [np.int64(t) for t in prompt]], params,
+                        use_tqdm=False)
+    assert all(o["error"] is None for o in outs)
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"] and len(outs[0]["token_ids"]) == 6
 
 
 def test_an_all_or_nothing_submission_with_one_bad_request_runs_none(llm: LLM) -> None:

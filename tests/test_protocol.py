@@ -508,3 +508,14 @@ def test_decode_plan_size_does_not_depend_on_context_length() -> None:
         assert not long.new_requests and not long.new_blocks and not len(long.prefill_seq_ids)
         assert len(encode(long)) == len(encode(short)) <= 32 * 4 + 64
 
+
+
+def test_wire_error_names_the_first_value_msgpack_cannot_take() -> None:
+    from common.protocol import wire_error
+
+    assert wire_error(GenerateRequest("a", prompt_token_ids=[2**64 - 1, -(2**63)])) is None
+    assert wire_error(GenerateRequest("a", prompt_token_ids=[1, 2**64])) == \
+        f"prompt_token_ids[1] is {2**64}, which does not fit in 64 bits"
+    assert wire_error(GenerateRequest("a", prompt="x\ud800")).startswith("prompt is not valid Unicode text")
+    assert wire_error(GenerateRequest("a", prompt="ok", sampling={"seed": np.int64(1)})) == \
+        "sampling['seed'] is a int64, which cannot be sent (use int, float, str, list or dict)"
