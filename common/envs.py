@@ -99,6 +99,12 @@ def scheduler_timeout_s() -> float:
     return _number("DELTASERVE_SCHEDULER_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
+def cpu_threads_given() -> bool:
+    """OMP_NUM_THREADS (read by torch, not ours): when set, CPU workers keep the thread count it
+    gives; otherwise each of N tensor-parallel CPU workers takes 1/N of torch's default threads."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
 def check_all() -> None:
     """Read every variable once; raises `ValueError` naming the first bad one."""
     client_silence_s()

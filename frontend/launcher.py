@@ -65,6 +65,7 @@ class EngineProcesses:
         self.procs: dict[str, subprocess.Popen] = {}
         self.failures: list[str] = []
         self.info: dict[str, Any] = {}
+        self.process_info: dict[str, dict[str, Any]] = {}  # process name -> what it reported when ready
         self.closed = False
 
     # ------------------------------------------------------------------ start
@@ -122,6 +123,7 @@ class EngineProcesses:
                 log.error("malformed control message: %s", exc)
                 continue
             if isinstance(msg, ProcessReady):
+                self.process_info[msg.name] = dict(msg.info)
                 if waiting is not None:
                     waiting.discard(msg.name)
                 if msg.name == "frontend":
