@@ -4,7 +4,10 @@ For a checkpoint (e.g. the Qwen3-0.6B shape) at batch 256 with a given context: 
 forward as a CUDA graph, sampling, the whole step (synchronous, and pipelined as the worker runs
 it), and the kernels of one eager decode step from torch.profiler.
 
-    python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton]
+    python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton] [--tp 1]
+
+With `--tp N` each rank runs in its own process on GPU `rank` (all run the same steps, rank 0 prints);
+the kernel table then shows what a rank spends on its shard and on the all-reduces.
 """
 
 from __future__ import annotations
@@ -45,11 +48,24 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process and GPU each")
     args = ap.parse_args()
+    if args.tp == 1:
+        profile_rank(0, args, "tcp://127.0.0.1:0")
+        return
+    import torch.multiprocessing as mp
+
+    from benchmarks.allreduce import free_port
+
+    mp.spawn(profile_rank, nprocs=args.tp, join=True, args=(args, f"tcp://127.0.0.1:{free_port()}"))
+
+
+def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     b, ctx, bs = args.batch, args.context, 16
     cfg = EngineConfig(model=args.model, max_model_len=4096, max_num_seqs=b, cuda_graph_sizes=(b,), block_size=bs,
-                       attention_backend=args.attention_backend).resolve()
-    runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+                       attention_backend=args.attention_backend, tensor_parallel_size=args.tp).resolve()
+    runner = ModelRunner(cfg, rank, dist_init)
+    say = print if rank == 0 else (lambda *a, **k: None)
     per_seq = -(-(ctx + 200) // bs)
     runner.allocate_kv_cache(b * per_seq)
     runner.capture_cuda_graphs()
@@ -91,12 +107,12 @@ def main() -> None:
     temps = torch.full((b,), args.temperature, device=logits.device)
     sample_ms = cuda_ms(lambda: runner.sampler(logits, temps, all_greedy=False))
     greedy_ms = cuda_ms(lambda: runner.sampler(logits, torch.zeros_like(temps), all_greedy=True))
-    print(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}")
-    print(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
-    print(f"LM head                      {logits_ms:7.3f} ms")
-    print(f"sampling T={args.temperature}              {sample_ms:7.3f} ms   (greedy {greedy_ms:.3f} ms)")
-    print(f"whole step, synchronous      {sync_ms:7.3f} ms wall")
-    print(f"whole step, pipelined        {pipelined_ms:7.3f} ms wall")
+    say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}")
+    say(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
+    say(f"LM head                      {logits_ms:7.3f} ms")
+    say(f"sampling T={args.temperature}              {sample_ms:7.3f} ms   (greedy {greedy_ms:.3f} ms)")
+    say(f"whole step, synchronous      {sync_ms:7.3f} ms wall")
+    say(f"whole step, pipelined        {pipelined_ms:7.3f} ms wall")
 
     runner.graphs.clear()  # profile the eager step: every kernel is visible
     one_step()
@@ -108,9 +124,9 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
     count = sum(e.count for e in events)
-    print(f"eager decode step: {count} kernels, {total / 1e3:.3f} ms of device time")
+    say(f"eager decode step: {count} kernels, {total / 1e3:.3f} ms of device time")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
+        say(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
 
 
 if __name__ == "__main__":
