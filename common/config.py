@@ -119,7 +119,8 @@ class EngineConfig:
         """Read the checkpoint's config.json and fill the derived fields.
 
         Raises `ConfigError` for an unsupported architecture, a `max_model_len` beyond the model's
-        positions, or a tensor-parallel size that does not divide the attention heads.
+        positions, or a tensor-parallel size that does not split every sharded dimension
+        (`tensor_parallel_errors`), before any worker starts.
         """
         hf = load_hf_config(self.model)
         archs = list(getattr(hf, "architectures", None) or [])
@@ -136,15 +137,10 @@ class EngineConfig:
                               f"supported: set max_model_len <= {window}")
         if max_model_len > model_max:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
-        tp = self.tensor_parallel_size
-        heads = hf.num_attention_heads
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        if heads % tp:
-            raise ConfigError(f"tensor_parallel_size {tp} does not divide num_attention_heads {heads}")
-        if kv_heads % tp and tp % kv_heads:
-            raise ConfigError(
-                f"tensor_parallel_size {tp} and num_key_value_heads {kv_heads}: one must divide the other"
-            )
+        tp_errors = tensor_parallel_errors(hf, self.tensor_parallel_size)
+        if tp_errors:
+            raise ConfigError(f"{self.model}/config.json cannot be split over {self.tensor_parallel_size} "
+                              f"tensor-parallel ranks: {'; '.join(tp_errors)}")
         eos = hf_eos_token_ids(self.model, hf)
         return dataclasses.replace(
             self,
@@ -177,6 +173,31 @@ class EngineConfig:
         """User-settable field names (the derived ones are excluded)."""
         derived = {"architecture", "vocab_size", "eos_token_ids"}
         return [f.name for f in dataclasses.fields(cls) if f.name not in derived]
+
+
+def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:
+    """Why `tp` ranks cannot split this model as workers/layers shard it; [] if they can.
+
+    Query heads and the MLP's intermediate size are divided evenly over the ranks (q/k/v and gate/up
+    by output rows, o_proj and down_proj by input columns). KV heads are divided too, or, when fewer
+    than the ranks, replicated (so `tp` must be a multiple of them). The vocabulary (embedding and
+    LM head) is split in slices of ceil(vocab_size / tp) rows, padded on the last rank, so it needs
+    no divisibility, only a row for every rank.
+    """
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate, vocab = hf_config.intermediate_size, hf_config.vocab_size
+    errors = []
+    if heads % tp:
+        errors.append(f"tensor_parallel_size {tp} does not divide num_attention_heads {heads}")
+    if kv_heads % tp and tp % kv_heads:
+        errors.append(f"tensor_parallel_size {tp} and num_key_value_heads {kv_heads}: one must divide the other")
+    if intermediate % tp:
+        errors.append(f"tensor_parallel_size {tp} does not divide intermediate_size {intermediate}")
+    rows = -(-vocab // tp)
+    if (tp - 1) * rows >= vocab:
+        errors.append(f"vocab_size {vocab} is too small for {tp} ranks: slices of {rows} rows leave the last empty")
+    return errors
 
 
 def load_hf_config(model_dir: str) -> Any:

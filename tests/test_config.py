@@ -218,6 +218,33 @@ def test_resolve_accepts_tensor_parallel_size_dividing_the_heads(
     assert EngineConfig(model, tensor_parallel_size=tp).resolve().tensor_parallel_size == tp
 
 
+def test_resolve_rejects_tensor_parallel_size_not_dividing_the_intermediate_size(tmp_path: Path) -> None:
+    """SmolLM2-135M's shape: 9 heads and 3 KV heads split over 9 ranks, but its MLP (3072) does not."""
+    model = write_checkpoint(tmp_path / "m", arch="llama", num_attention_heads=9, num_key_value_heads=3,
+                             hidden_size=576, head_dim=64, intermediate_size=3072)
+
+    with pytest.raises(ConfigError, match="cannot be split over 9 tensor-parallel ranks: tensor_parallel_size 9 "
+                                          "does not divide intermediate_size 3072$"):
+        EngineConfig(model, tensor_parallel_size=9).resolve()
+    assert EngineConfig(model, tensor_parallel_size=3).resolve().tensor_parallel_size == 3
+
+
+def test_resolve_names_every_dimension_that_cannot_be_split(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, intermediate_size=102)
+
+    with pytest.raises(ConfigError, match="num_attention_heads 6; .*num_key_value_heads 3.*; .*intermediate_size 102"):
+        EngineConfig(model, tensor_parallel_size=4).resolve()
+
+
+def test_resolve_rejects_a_vocabulary_too_small_to_give_every_rank_a_slice(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m", vocab_size=10, num_attention_heads=8, num_key_value_heads=8,
+                             eos_token_id=1)
+
+    with pytest.raises(ConfigError, match="vocab_size 10 is too small for 8 ranks"):
+        EngineConfig(model, tensor_parallel_size=8).resolve()
+    assert EngineConfig(model, tensor_parallel_size=2).resolve().vocab_size == 10
+
+
 def test_resolve_reports_an_unreadable_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
 
