@@ -200,25 +200,58 @@ def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:
     return errors
 
 
+# Sizes in config.json that must be positive integers when given (transformers does not check them).
+MODEL_DIMENSIONS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def load_hf_config(model_dir: str) -> Any:
-    """The checkpoint's `transformers` config. Raises `ConfigError` if it cannot be parsed."""
+    """The checkpoint's `transformers` config. Raises `ConfigError` naming config.json if it cannot be
+    parsed or gives a size (`MODEL_DIMENSIONS`) that is not a positive integer."""
     from transformers import AutoConfig
 
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"cannot read {path}: it holds a JSON {type(raw).__name__}, not an object")
+    for name in MODEL_DIMENSIONS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{path}: {name} must be a positive integer, got {value!r}")
     try:
         return AutoConfig.from_pretrained(model_dir)
     except Exception as exc:  # transformers raises several types for a bad config.json
-        raise ConfigError(f"cannot read {model_dir}/config.json: {exc}") from exc
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
 
 
 def hf_eos_token_ids(model_dir: str, hf_config: Any) -> list[int]:
-    """End-of-sequence ids: generation_config.json's `eos_token_id` (int or list), else config.json's."""
+    """End-of-sequence ids: generation_config.json's `eos_token_id` (int or list), else config.json's.
+
+    Raises `ConfigError` naming the file whose `eos_token_id` is not a non-negative integer or a list of them.
+    """
     eos: Any = None
+    source = os.path.join(model_dir, "config.json")
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            eos = json.load(f).get("eos_token_id")
+        try:
+            with open(gen_path) as f:
+                gen = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {gen_path}: {exc}") from exc
+        if not isinstance(gen, dict):
+            raise ConfigError(f"cannot read {gen_path}: it holds a JSON {type(gen).__name__}, not an object")
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            source = gen_path
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise ConfigError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {eos!r}")
+    return ids

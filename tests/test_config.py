@@ -252,6 +252,30 @@ def test_resolve_reports_an_unreadable_config_json(tmp_path: Path) -> None:
         EngineConfig(str(tmp_path)).resolve()
 
 
+@pytest.mark.parametrize(("name", "value"), [("num_attention_heads", 0), ("num_key_value_heads", 0),
+                                             ("hidden_size", -64), ("intermediate_size", 0), ("vocab_size", 0),
+                                             ("num_hidden_layers", "2"), ("head_dim", 0)])
+def test_resolve_rejects_a_size_in_config_json_that_is_not_a_positive_integer(tmp_path: Path, name: str,
+                                                                              value: Any) -> None:
+    settings = {**TINY, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], name: value}
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+
+    with pytest.raises(ConfigError, match=f"config.json: {name} must be a positive integer, got {value!r}"):
+        EngineConfig(str(tmp_path)).resolve()
+
+
+def test_a_bad_eos_token_id_names_the_file_it_came_from(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id must be a non-negative integer or "
+                                          "a list of them, got 'x'"):
+        EngineConfig(model).resolve()
+    (tmp_path / "m" / "generation_config.json").write_text("{broken")
+    with pytest.raises(ConfigError, match="cannot read .*generation_config.json"):
+        EngineConfig(model).resolve()
+
+
 def test_resolve_reads_config_json_written_by_hand(tmp_path: Path) -> None:
     settings = {**TINY, "model_type": "llama", "architectures": ["MistralForCausalLM"], "eos_token_id": [2, 3]}
     (tmp_path / "config.json").write_text(json.dumps(settings))

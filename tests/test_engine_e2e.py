@@ -21,7 +21,7 @@ from common.config import ConfigError
 from common.ipc import free_port
 from common.protocol import ErrorReply, GenerateRequest, Submit, decode, encode
 from deltaserve import LLM, EngineClient, SamplingParams
-from frontend.launcher import EngineDeadError
+from frontend.launcher import EngineDeadError, EngineStartError
 from tests.conftest import REPO, synthetic_prompt
 from tests.test_engine_vs_hf import hf_greedy
 
@@ -225,6 +225,19 @@ def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path:
     (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
     with pytest.raises(RuntimeError, match="tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+def test_a_config_json_smaller_than_the_weights_is_refused_at_load(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The embedding's loader takes the rows it needs, so a vocab_size below the checkpoint's rows used to
+    load a truncated model without a word."""
+    for item in tiny_qwen3.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 151000}))
+    with pytest.raises(EngineStartError, match=r"checkpoint tensor model.embed_tokens.weight in model.safetensors "
+                                               r"has shape \[151669, 64\], but .*config.json implies \[151000, 64\]"):
+        LLM(str(tmp_path), device="cpu", max_model_len=256)
 
 
 def test_unknown_model_folder_is_a_clear_error(tmp_path: Path) -> None:

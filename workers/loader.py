@@ -4,27 +4,56 @@ Each checkpoint tensor is routed to a parameter; names listed in the model's
 `packed_modules_mapping` (q_proj -> qkv_proj shard "q", gate_proj -> gate_up_proj shard 0, ...)
 go to the fused parameter's loader with their shard id. Parameters' own `weight_loader`s cut
 out this rank's slice, so tensor parallelism needs nothing here.
+
+Those loaders slice what they need out of the checkpoint tensor, so a tensor larger than the
+model (config.json's vocab_size below the embedding's rows, say) would load truncated without a
+word. Every tensor's shape is therefore checked against the shape config.json implies first.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from common.config import load_hf_config
+from workers.models.llama import head_dim_of
+
+
+def expected_shape(name: str, hf_config: Any) -> tuple[int, ...] | None:
+    """The shape config.json implies for checkpoint tensor `name` (Hugging Face Llama / Qwen3
+    names, whole and unsharded); None for a name it does not describe."""
+    h, inter, vocab = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
+    d = head_dim_of(hf_config)
+    q = hf_config.num_attention_heads * d
+    kv = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (h,),
+        "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
+        "gate_proj.bias": (inter,), "up_proj.bias": (inter,), "down_proj.bias": (h,),
+        "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "norm.weight": (h,),
+    }
+    return shapes.get(".".join(name.split(".")[-2:]))
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
     """Fill every parameter of `model` from `model_dir/*.safetensors`.
 
     Raises `FileNotFoundError` when there is no safetensors file, `KeyError` for a checkpoint
-    tensor with no matching parameter, and `ValueError` when parameters stay unloaded.
+    tensor with no matching parameter, and `ValueError` for a tensor whose shape is not the one
+    config.json implies, or when parameters stay unloaded.
     """
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    hf_config = load_hf_config(model_dir)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
@@ -42,6 +71,12 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 param = params.get(target)
                 if param is None:
                     raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+                shape, expected = tuple(f.get_slice(name).get_shape()), expected_shape(name, hf_config)
+                if expected is not None and shape != expected:
+                    raise ValueError(
+                        f"checkpoint tensor {name} in {os.path.basename(path)} has shape {list(shape)}, but "
+                        f"{model_dir}/config.json implies {list(expected)}: its vocab_size, hidden_size, "
+                        "intermediate_size or head counts do not describe these weights")
                 tensor = f.get_tensor(name)
                 loader = getattr(param, "weight_loader", None)
                 with torch.no_grad():
