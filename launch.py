@@ -97,6 +97,10 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    # Once: the first Ctrl-C or SIGTERM stops the engine, and a repeated one must not interrupt that
+    # (during EngineProcesses.shutdown it only hurries the stop along).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

@@ -15,7 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -159,21 +161,48 @@ class EngineProcesses:
 
     # ------------------------------------------------------------------ stop
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop every process (SIGTERM, then SIGKILL after `timeout_s`) and remove the socket folder."""
+        """Stop every process (SIGTERM, then SIGKILL after `timeout_s`) and remove the socket folder.
+
+        A repeated Ctrl-C (or SIGTERM) while this runs does not interrupt it: it only hurries it
+        (SIGKILL to the processes left), and the socket folder is removed in every case.
+        """
         if self.closed:
             return
         self.closed = True
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-                p.send_signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once resumed
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
+        hurry = threading.Event()
+        restore = _divert_stop_signals(hurry.set)
+        try:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.terminate()
+                    p.send_signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once resumed
+            deadline = time.monotonic() + timeout_s
+            while (any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline
+                   and not hurry.is_set()):
+                time.sleep(0.02)
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        finally:
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if self.control is not None:
-            self.control.close()
-        self.endpoints.cleanup()
+                if self.control is not None:
+                    self.control.close()
+            finally:
+                self.endpoints.cleanup()
+                restore()
+
+
+def _divert_stop_signals(handler: Callable[[], None]) -> Callable[[], None]:
+    """Make SIGINT and SIGTERM call `handler()` instead of their handlers (which may raise in the
+    middle of a clean-up); returns the function that puts the old handlers back. Signal handlers
+    belong to the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.signal(sig, lambda signum, frame: handler()) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore

@@ -346,6 +346,31 @@ def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_s
         s.bind(("127.0.0.1", port))
 
 
+def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Path) -> None:
+    """Impatient users press Ctrl-C again while the engine stops: that must hurry the stop, not abandon it
+    half-way with the socket folder left behind."""
+    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
+    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port",
+                               str(free_port()), "--device", "cpu", "--max-model-len", "256"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "serving" in server.stdout.readline()
+    children = _children(server.pid)
+    run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+    server.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 15
+    while server.poll() is None and time.monotonic() < deadline:  # Ctrl-C, Ctrl-C, Ctrl-C, ...
+        time.sleep(0.01)
+        server.send_signal(signal.SIGINT)
+    code = server.wait(timeout=15)
+    stderr = server.stderr.read()
+    assert code == 130 and "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "engine processes outlived the launcher"
+    assert run_dirs and not any(d.exists() for d in run_dirs), "socket folder left behind"
+
+
 def test_client_reports_an_engine_that_is_not_there() -> None:
     result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(free_port()), "--timeout", "2",
                              "hi"], cwd=REPO, capture_output=True, text=True, timeout=60)
