@@ -87,19 +87,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    """A socket with no send/receive limits and no linger at close (exit never blocks)."""
+    """A socket with no send/receive limits and no linger at close (exit never blocks).
+
+    Raises `zmq.ZMQError` (the socket closed) for an address ZeroMQ cannot bind or connect to."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    if bind:
-        if address.startswith("ipc://"):
-            path = address[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    try:
+        if bind:
+            if address.startswith("ipc://"):
+                path = address[len("ipc://"):]
+                if os.path.exists(path):
+                    os.unlink(path)
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 

@@ -99,9 +99,9 @@ def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
         prof.dump_stats(os.path.join(profile_dir, f"{name}.prof"))
 
 
-def engine_process_main(kind: str, description: str, factory: Callable[..., Any], argv: list[str] | None = None,
-                        with_rank: bool = False) -> None:
-    """The `main` of an engine process (`python -m frontend|scheduler_proc|workers`).
+def engine_process_main(kind: str, module: str, description: str, factory: Callable[..., Any],
+                        argv: list[str] | None = None, with_rank: bool = False) -> None:
+    """The `main` of an engine process (`python -m <module>`: frontend, scheduler_proc or workers).
 
     Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid` and, for
     workers, `--rank`; builds the process with `factory(config, endpoints, args)`, then runs its
@@ -109,7 +109,7 @@ def engine_process_main(kind: str, description: str, factory: Callable[..., Any]
     """
     from common.config import EngineConfig
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--endpoints", required=True, help="Endpoints as JSON (socket and rendezvous addresses)")
     if with_rank:

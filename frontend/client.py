@@ -76,11 +76,16 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
 class EngineClient:
     def __init__(self, address: str, liveness: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
                  dead_after_s: float = 20.0) -> None:
-        """`address`: the frontend's client address (tcp://host:port or ipc://path).
+        """`address`: the frontend's client address (tcp://host:port or ipc://path); raises
+        `ValueError` naming it if ZeroMQ cannot use it.
         `liveness`: called while waiting; may raise to abort the wait (the launcher's `check`)."""
         self.address = address
         self.ctx = zmq.Context.instance()
-        self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False)
+        try:
+            self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"cannot connect to the engine address {address!r}: {exc.strerror} "
+                             "(expected tcp://host:port or ipc://path)") from None
         self.liveness = liveness
         self.ping_interval_s = ping_interval_s
         self.dead_after_s = dead_after_s
@@ -204,7 +209,8 @@ class EngineClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Submit prompts to a running deltaserve engine and print the answers.")
+    p = argparse.ArgumentParser(prog="python -m frontend.client",
+                                description="Submit prompts to a running deltaserve engine and print the answers.")
     p.add_argument("prompts", nargs="+", help="prompt texts")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -214,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt when it finishes")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds without any answer before giving up")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt when it finishes (a failed one with its error)")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds without any answer before giving up (> 0)")
     args = p.parse_args(argv)
+    if not args.timeout > 0:  # also refuses NaN
+        p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
@@ -225,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.address is None and not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"
-    client = EngineClient(address, dead_after_s=args.timeout)
+    try:
+        client = EngineClient(address, dead_after_s=args.timeout)
+    except ValueError as exc:
+        p.error(str(exc))
     try:
         client.engine_info(timeout_s=args.timeout)
     except EngineConnectionError as exc:
@@ -259,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 if out.error:
                     print(f"error: {out.error}", file=sys.stderr)
                     status = 1
-                elif args.json:
+                if args.json:  # every prompt, failed ones too: one object per prompt
                     print(json.dumps(results[out.request_id], ensure_ascii=False))
-                elif not stream:
+                elif not stream and not out.error:
                     print(f"--- {results[out.request_id]['prompt']}\n{out.text}\n")
         if stream:
             print()

@@ -382,5 +382,5 @@ class FrontendProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    engine_process_main("frontend", "deltaserve frontend process (started by launch.py)",
+    engine_process_main("frontend", "frontend", "deltaserve frontend process (started by launch.py)",
                         lambda config, endpoints, args: FrontendProcess(config, endpoints), argv)

@@ -266,5 +266,5 @@ class SchedulerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    engine_process_main("scheduler", "deltaserve scheduler process (started by launch.py)",
+    engine_process_main("scheduler", "scheduler_proc", "deltaserve scheduler process (started by launch.py)",
                         lambda config, endpoints, args: SchedulerProcess(config, endpoints), argv)

@@ -371,6 +371,45 @@ def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Pa
     assert run_dirs and not any(d.exists() for d in run_dirs), "socket folder left behind"
 
 
+def test_client_cli_json_prints_one_object_per_prompt_failed_ones_included(llm: LLM, capsys) -> None:
+    from frontend.client import main
+
+    code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "2", "one", "", "two"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1  # a prompt failed
+    assert sorted(r["prompt"] for r in rows) == ["", "one", "two"]
+    failed = next(r for r in rows if r["prompt"] == "")
+    assert failed["finish_reason"] == "error" and "empty" in failed["error"]
+    assert all(r["error"] is None and len(r["token_ids"]) == 2 for r in rows if r["prompt"])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--timeout", "0", "hi"], "--timeout must be a number of seconds > 0, got 0.0"),
+    (["--timeout", "-5", "hi"], "--timeout must be a number of seconds > 0, got -5.0"),
+    (["--timeout", "nan", "hi"], "--timeout must be a number of seconds > 0, got nan"),
+    (["--address", "garbage", "hi"], "cannot connect to the engine address 'garbage': Invalid argument"),
+    (["--address", "http://x", "hi"], "cannot connect to the engine address 'http://x': Protocol not supported"),
+])
+def test_client_cli_refuses_bad_arguments_by_name(argv: list[str], message: str, capsys) -> None:
+    from frontend.client import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err
+    assert err.startswith("usage: python -m frontend.client "), err
+
+
+@pytest.mark.parametrize("module", ["frontend", "scheduler_proc", "workers"])
+def test_engine_process_usage_names_the_real_command(module: str, capsys) -> None:
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(f"{module}.process").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith(f"usage: python -m {module} "), out
+
+
 def test_client_reports_an_engine_that_is_not_there() -> None:
     result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(free_port()), "--timeout", "2",
                              "hi"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -124,6 +124,6 @@ class WorkerProcess:
 
 def main(argv: list[str] | None = None) -> None:
     engine_process_main(
-        "worker", "deltaserve worker process (one per device / tensor-parallel rank)",
+        "worker", "workers", "deltaserve worker process (one per device / tensor-parallel rank)",
         lambda config, endpoints, args: WorkerProcess(config, endpoints, args.rank, external=args.parent_pid is None),
         argv, with_rank=True)
