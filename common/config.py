@@ -205,12 +205,9 @@ MODEL_DIMENSIONS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
                     "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def load_hf_config(model_dir: str) -> Any:
-    """The checkpoint's `transformers` config. Raises `ConfigError` naming config.json if it cannot be
-    parsed or gives a size (`MODEL_DIMENSIONS`) that is not a positive integer."""
-    from transformers import AutoConfig
-
-    path = os.path.join(model_dir, "config.json")
+def _read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in file `path`; raises `ConfigError` naming the file if it cannot be read or
+    holds something else."""
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -218,6 +215,16 @@ def load_hf_config(model_dir: str) -> Any:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"cannot read {path}: it holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def load_hf_config(model_dir: str) -> Any:
+    """The checkpoint's `transformers` config. Raises `ConfigError` naming config.json if it cannot be
+    parsed or gives a size (`MODEL_DIMENSIONS`) that is not a positive integer."""
+    from transformers import AutoConfig
+
+    path = os.path.join(model_dir, "config.json")
+    raw = _read_json_object(path)
     for name in MODEL_DIMENSIONS:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -237,13 +244,7 @@ def hf_eos_token_ids(model_dir: str, hf_config: Any) -> list[int]:
     source = os.path.join(model_dir, "config.json")
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):
-        try:
-            with open(gen_path) as f:
-                gen = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {gen_path}: {exc}") from exc
-        if not isinstance(gen, dict):
-            raise ConfigError(f"cannot read {gen_path}: it holds a JSON {type(gen).__name__}, not an object")
+        gen = _read_json_object(gen_path)
         eos = gen.get("eos_token_id")
         if eos is not None:
             source = gen_path
