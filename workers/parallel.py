@@ -161,5 +161,6 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.contiguous().view(-1)
     out = torch.empty(_world_size * x.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x)
+    # all_gather_single replaces all_gather_into_tensor (deprecated, warns) in newer torch releases
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x)
     return out.view(_world_size, *shape)
