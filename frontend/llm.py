@@ -14,7 +14,7 @@ import atexit
 import logging
 import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -76,6 +76,8 @@ class LLM:
         self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
+        elif not isinstance(prompts, (str, bytes, Sequence)) and isinstance(prompts, Iterable):
+            prompts = list(prompts)  # a generator or other one-pass iterable of prompts
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -90,7 +92,10 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
             req = GenerateRequest(self.client.new_request_id(), stream=False)
-            set_prompt(req, prompt, allow_messages=False)
+            try:
+                set_prompt(req, prompt, allow_messages=False)
+            except TypeError as exc:  # a programming error, not a bad request: the whole call fails
+                raise TypeError(f"prompt {i}: {exc}") from None
             try:
                 sp.validate()  # again: fields may have been changed since construction
             except ValueError as exc:
