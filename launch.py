@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         from frontend.default_model import ensure_default_model
 
-        model = ensure_default_model()
+        try:
+            model = ensure_default_model()
+        except ValueError as exc:  # DELTASERVE_CACHE unusable
+            parser.error(str(exc))
     try:
         config = engine_config(args, model)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

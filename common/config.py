@@ -120,8 +120,15 @@ class EngineConfig:
 
         Raises `ConfigError` for an unsupported architecture, a `max_model_len` beyond the model's
         positions, or a tensor-parallel size that does not split every sharded dimension
-        (`tensor_parallel_errors`), before any worker starts.
+        (`tensor_parallel_errors`), or a `profile_dir` that cannot be created, before any worker starts.
         """
+        if self.profile_dir:
+            from common.envs import usable_folder
+
+            try:
+                usable_folder(self.profile_dir, "profile_dir")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         hf = load_hf_config(self.model)
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), "")

@@ -47,9 +47,24 @@ def _flag(name: str) -> bool:
                      f"(any case), got {raw!r}")
 
 
+def usable_folder(path: str, what: str) -> str:
+    """`path`, created if missing; raises `ValueError` naming `what` (a variable or an option) if it
+    cannot be created or is not a folder this process may write to."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{what}={path!r} cannot be used as a folder: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}={path!r} cannot be used as a folder: it is not writable")
+    return path
+
+
 def cache_dir() -> str:
-    """DELTASERVE_CACHE: where the demo model and downloaded test assets are kept (~/.cache/deltaserve)."""
-    return os.environ.get("DELTASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "deltaserve")
+    """DELTASERVE_CACHE: where the demo model and downloaded test assets are kept (~/.cache/deltaserve).
+    Created if missing; `ValueError` if it cannot be."""
+    path = os.environ.get("DELTASERVE_CACHE")
+    return usable_folder(path, "DELTASERVE_CACHE") if path else os.path.join(os.path.expanduser("~"), ".cache",
+                                                                             "deltaserve")
 
 
 def check_invariants() -> bool:
@@ -62,8 +77,9 @@ def check_invariants() -> bool:
 def step_log_dir() -> str | None:
     """DELTASERVE_STEP_LOG_DIR: every process appends one JSON line of timing per step to
     `<dir>/<process name>.jsonl` (scheduler: planning; workers: input preparation, device time,
-    device idle time before the step)."""
-    return os.environ.get("DELTASERVE_STEP_LOG_DIR") or None
+    device idle time before the step). Created if missing; `ValueError` if it cannot be."""
+    path = os.environ.get("DELTASERVE_STEP_LOG_DIR")
+    return usable_folder(path, "DELTASERVE_STEP_LOG_DIR") if path else None
 
 
 def client_silence_s() -> float:
@@ -112,3 +128,4 @@ def check_all() -> None:
     all_reduce_impl()
     step_timeout_s()
     check_invariants()
+    step_log_dir()

@@ -32,7 +32,8 @@ def default_model_dir() -> str:
 def ensure_default_model(verbose: bool = True) -> str:
     """The demo model's folder, downloading and converting it on first use.
 
-    Raises `RuntimeError` if the download or the conversion fails.
+    Raises `RuntimeError` if the download or the conversion fails, `ValueError` if DELTASERVE_CACHE
+    cannot be used as a folder.
     """
     target = default_model_dir()
     if all(os.path.isfile(os.path.join(target, f)) for f in ("model.safetensors", "config.json")):

@@ -83,3 +83,32 @@ def test_scheduler_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.Mo
     monkeypatch.setenv("DELTASERVE_SCHEDULER_TIMEOUT_S", value)
     with pytest.raises(ValueError, match="DELTASERVE_SCHEDULER_TIMEOUT_S must be a number >= 0"):
         envs.scheduler_timeout_s()
+
+
+@pytest.mark.parametrize("name", ["DELTASERVE_STEP_LOG_DIR", "DELTASERVE_CACHE"])
+def test_a_folder_variable_that_cannot_be_a_folder_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       name: str) -> None:
+    read = envs.step_log_dir if name == "DELTASERVE_STEP_LOG_DIR" else envs.cache_dir
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv(name, str(a_file / "below"))
+    with pytest.raises(ValueError, match=f"^{name}=.* cannot be used as a folder"):
+        read()
+    monkeypatch.setenv(name, str(tmp_path / "new" / "logs"))  # a missing folder is made
+    assert read() == str(tmp_path / "new" / "logs")
+    assert (tmp_path / "new" / "logs").is_dir()
+
+
+def test_an_unusable_step_log_dir_or_profile_dir_stops_the_engine_before_any_process_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.config import ConfigError
+
+    model = write_checkpoint(tmp_path / "m")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("DELTASERVE_STEP_LOG_DIR", str(a_file))
+    with pytest.raises(ValueError, match="DELTASERVE_STEP_LOG_DIR"):
+        EngineProcesses(EngineConfig(model, device="cpu"))
+    monkeypatch.delenv("DELTASERVE_STEP_LOG_DIR")
+    with pytest.raises(ConfigError, match="profile_dir=.* cannot be used as a folder"):
+        EngineProcesses(EngineConfig(model, device="cpu", profile_dir=str(a_file)))
