@@ -142,7 +142,10 @@ class EngineProcesses:
         self._read_control()
         parts = [f"{name} exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
                  for name, code in dead.items()]
-        message = "; ".join(self.failures + parts) or "an engine process failed"
+        # A stopped process reports nothing itself; its peers only see it fall silent. Name it first.
+        stopped = [f"{name} (pid {p.pid}) is stopped (SIGSTOP, or a debugger)" for name, p in self.procs.items()
+                   if _is_stopped(p.pid)]
+        message = "; ".join(stopped + self.failures + parts) or "an engine process failed"
         self.shutdown(timeout_s=2.0)  # survivors may be stuck in a collective with the dead: do not wait long
         raise error(f"{message}; the engine was shut down")
 
@@ -191,6 +194,15 @@ class EngineProcesses:
             finally:
                 self.endpoints.cleanup()
                 restore()
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc/<pid>/stat; False where that cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _divert_stop_signals(handler: Callable[[], None]) -> Callable[[], None]:

@@ -135,8 +135,9 @@ def test_a_stopped_worker_brings_the_engine_down_after_the_step_timeout(
     worker = llm.engine.procs[f"worker-tp{tp - 1}"]
     os.kill(worker.pid, signal.SIGSTOP)
     t0 = time.monotonic()
-    with pytest.raises(EngineDeadError, match="has not finished after .* a worker is stuck"):
+    with pytest.raises(EngineDeadError, match="has not finished after .* a worker is stuck") as err:
         llm.generate(["still there?"] * 4, GREEDY, use_tqdm=False)
+    assert str(err.value).startswith(f"worker-tp{tp - 1} (pid {worker.pid}) is stopped")  # the culprit, named
     assert time.monotonic() - t0 < 15
     llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.procs.values())
