@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
+    if args.serve:
+        from common.ipc import check_port_free
+
+        try:
+            check_port_free(args.host, args.port)
+        except ValueError as exc:
+            parser.error(f"{exc} (is another engine serving there? choose --port)")
     local_ranks = None
     if args.local_ranks is not None:
         try:

@@ -86,6 +86,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise `ValueError` if TCP `port` on `host` cannot be listened on now (another server has it),
+    so that a busy port is reported before the engine loads a model. Ports in TIME_WAIT pass, as
+    ZeroMQ reuses them too."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError as exc:
+            raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     """A socket with no send/receive limits and no linger at close (exit never blocks).
 

@@ -1,0 +1,23 @@
+"""launch.py refuses what it can see is wrong before it starts any process or loads a model."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.test_config import write_checkpoint
+
+
+def test_a_port_another_server_listens_on_is_refused_up_front(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m")  # config only: nothing gets far enough to need weights
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "launch.py", "--model", model, "--serve", "--port", str(port)],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in result.stderr
