@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from deltaserve import LLM
+from frontend.launcher import EngineStartError
 from tests.conftest import REPO
 from tests.test_config import write_checkpoint
 
@@ -21,3 +25,14 @@ def test_a_port_another_server_listens_on_is_refused_up_front(tmp_path: Path) ->
                                 cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(kv_cache_memory_gb=100_000.0), r"does not fit in this host's available memory .* lower --kv-cache-memory-gb"),
+    (dict(num_kvcache_blocks=10**9), r"does not fit in this host's available memory"),
+    (dict(block_size=2**22, max_model_len=256), r"one KV block .* is larger than the CPU KV-cache budget of 1 GiB"),
+])
+def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
+        tiny_qwen3: Path, options: dict, message: str) -> None:
+    with pytest.raises(EngineStartError, match=message):
+        LLM(str(tiny_qwen3), device="cpu", **options)

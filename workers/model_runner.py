@@ -106,6 +106,19 @@ class HostBuffers:
         self.copied: torch.cuda.Event | None = torch.cuda.Event() if pin else None
 
 
+def _host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations (MemAvailable of /proc/meminfo), or None
+    where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int, dist_init: str) -> None:
         assert config.max_model_len is not None, "the launcher resolves the config first"
@@ -169,8 +182,17 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block
         if self.device.type == "cpu":
             budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
-            capacity = int(budget // per_block)
-            return cfg.num_kvcache_blocks or capacity
+            if not cfg.num_kvcache_blocks and budget < per_block:
+                raise RuntimeError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger than "
+                                   f"the CPU KV-cache budget of {budget / GiB:g} GiB: lower --block-size or raise "
+                                   "--kv-cache-memory-gb")
+            num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
+            available = _host_memory_available()
+            if available is not None and num_blocks * per_block > available:
+                raise RuntimeError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) does "
+                                   f"not fit in this host's available memory ({available / GiB:.1f} GiB): lower "
+                                   "--kv-cache-memory-gb or --num-kvcache-blocks")
+            return num_blocks
         peak_activations = self._profile_peak_memory()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
