@@ -48,7 +48,33 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
     signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the clean-up
+    if _stop_deferred.depth:  # in the middle of something that must not be cut (a multipart send)
+        _stop_deferred.signum = signum
+        return
     raise SystemExit(128 + signum)
+
+
+class _StopDeferred:
+    """`with stop_signals_deferred:` lets the body finish before SIGTERM becomes `SystemExit`, which
+    is then raised at the end of the body. For short sections only, such as sending the frames of one
+    ZeroMQ message: one cut after its first frame would glue the next message sent (the error outputs
+    a process sends its clients as it stops) onto it. Signal handlers run in the main thread only."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.signum: int | None = None
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if not self.depth and self.signum is not None:
+            signum, self.signum = self.signum, None
+            raise SystemExit(128 + signum)
+
+
+_stop_deferred = stop_signals_deferred = _StopDeferred()
 
 
 def parent_gone(parent_pid: int) -> bool:

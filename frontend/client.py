@@ -269,13 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                                            "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
                                            "num_cached_tokens": out.num_cached_tokens, **out.metrics}
                 if out.error:
+                    if stream:  # end the line of the text streamed so far
+                        print()
                     print(f"error: {out.error}", file=sys.stderr)
                     status = 1
                 if args.json:  # every prompt, failed ones too: one object per prompt
                     print(json.dumps(results[out.request_id], ensure_ascii=False))
                 elif not stream and not out.error:
                     print(f"--- {results[out.request_id]['prompt']}\n{out.text}\n")
-        if stream:
+        if stream and not status:
             print()
     except KeyboardInterrupt:
         client.abort([r.request_id for r in reqs])

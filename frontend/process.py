@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.limits import prompt_limit_error
-from common.proc import engine_process_main
+from common.proc import engine_process_main, stop_signals_deferred
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -167,6 +168,16 @@ class FrontendProcess:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
+        """Run the loop until this process is stopped (SIGTERM becomes `SystemExit`, see
+        `common.proc`) or fails; either way, every pending request first gets an error output, so that
+        its client hears of the shutdown at once instead of waiting out its silence timeout."""
+        try:
+            self._serve_loop()
+        except BaseException as exc:
+            self._fail_pending(shutdown_reason(exc))
+            raise
+
+    def _serve_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)
@@ -193,7 +204,9 @@ class FrontendProcess:
                 next_check = time.monotonic() + 1.0
 
     def _reply(self, client: bytes, msg: object) -> None:
-        self.clients.send_multipart([client, encode(msg)])
+        data = encode(msg)
+        with stop_signals_deferred:  # never half a message: _fail_pending sends more on this socket
+            self.clients.send_multipart([client, data])
 
     def _abort_silent_clients(self) -> None:
         """Abort the requests of clients silent for `envs.client_silence_s()`: waiting clients ping every
@@ -222,16 +235,29 @@ class FrontendProcess:
             return
         why = (f"the scheduler has sent nothing for {silent:.0f} s (DELTASERVE_SCHEDULER_TIMEOUT_S="
                f"{self.scheduler_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
-        now = time.time()
-        per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        for st in self.requests.values():
-            out = self._output(st, now, finished=True)
-            out.finish_reason, out.error = "error", why
-            per_client[st.client].append(out)
-        for client, outputs in per_client.items():
-            self._reply(client, RequestOutputs(outputs))
-        self.clients.setsockopt(zmq.LINGER, 2000)  # close() must not drop these errors
+        self._fail_pending(why)
         raise RuntimeError(why)
+
+    def _fail_pending(self, why: str) -> None:
+        """Finish every pending request with finish reason "error" and `why` (the text so far included),
+        and make `close()` wait up to 2 s to deliver these outputs. Called once this process is ending:
+        it never raises, so that the error ending the process is the one reported."""
+        try:
+            now = time.time()
+            per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+            for st in self.requests.values():
+                out = self._output(st, now, finished=True)
+                out.finish_reason, out.error = "error", why
+                per_client[st.client].append(out)
+            self.requests.clear()
+            self.by_client.clear()
+            if per_client:
+                log.warning("failing %d pending requests: %s", sum(map(len, per_client.values())), why)
+            for client, outputs in per_client.items():
+                self._reply(client, RequestOutputs(outputs))
+            self.clients.setsockopt(zmq.LINGER, 2000)  # close() must not drop these errors
+        except Exception:  # a broken socket must not hide why the process ends
+            log.exception("could not tell the clients that the engine is shutting down")
 
     def _handle_client(self, client: bytes, raw: bytes) -> None:
         self.last_seen[client] = time.monotonic()
@@ -379,6 +405,23 @@ class FrontendProcess:
             path = self.client_address[len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def shutdown_reason(exc: BaseException) -> str:
+    """What a client is told when this process ends by `exc`: a signal (`SystemExit(128 + signum)`,
+    raised by `common.proc`), Ctrl-C, or an error."""
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else None
+        if code is not None and code > 128:
+            try:
+                name = signal.Signals(code - 128).name
+            except ValueError:
+                name = f"signal {code - 128}"
+            return f"the engine is shutting down (its frontend process got {name})"
+        return f"the engine is shutting down (its frontend process is exiting with code {exc.code})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "the engine is shutting down (its frontend process was interrupted)"
+    return f"the engine is shutting down: its frontend process failed: {type(exc).__name__}: {exc}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -477,6 +477,33 @@ def test_a_stopped_scheduler_fails_the_requests_and_brings_the_engine_down(tiny_
     assert all(p.poll() is not None for p in llm.engine.procs.values())
 
 
+@pytest.mark.parametrize("how", ["frontend-sigterm", "worker-sigkill"])
+def test_a_client_hears_at_once_that_the_engine_went_down(tiny_qwen3: Path, engine_factory, how: str) -> None:
+    """An engine going down (SIGTERM, Ctrl-C of the server, or a dead process after which the launcher stops
+    the rest) must send each pending request an error at once, not leave its client to time out in silence."""
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=4096)
+    client = EngineClient(llm.engine.endpoints.client, dead_after_s=8)  # a served client: no launcher to watch
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+        outputs = client.generate("Tell me a story", long, stream=True)
+        text = next(outputs).text  # it is running
+        t0 = time.monotonic()
+        if how == "frontend-sigterm":
+            os.kill(llm.engine.procs["frontend"].pid, signal.SIGTERM)
+        else:  # what `launch.py --serve` does: its wait() sees the dead worker and stops the others
+            os.kill(llm.engine.procs["worker-tp0"].pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="worker-tp0 exited with code -9"):
+                llm.engine.wait()
+        for out in outputs:
+            text += out.text
+    finally:
+        client.close()
+    assert time.monotonic() - t0 < 5
+    assert out.finished and out.finish_reason == "error"
+    assert "the engine is shutting down" in out.error and "SIGTERM" in out.error, out.error
+    assert text
+
+
 def test_shutdown_stops_every_process_promptly_without_sigkill(tiny_qwen3: Path) -> None:
     llm = LLM(str(tiny_qwen3), device="cpu", block_size=16, max_model_len=256)
     llm.generate(["warm up"], GREEDY8, use_tqdm=False)
