@@ -179,8 +179,13 @@ class EngineClient:
         """Submit one request and yield its outputs (deltas when streaming) until it finishes.
 
         `prompt`: text, token ids, or chat messages (`set_prompt`; raises `TypeError` for other
-        types). Closing the iterator early aborts the request.
+        types, or for `sampling_params` that are not `SamplingParams`). Closing the iterator early
+        aborts the request. Raises `EngineConnectionError` after `close()`.
         """
+        if self.sock.closed:
+            raise EngineConnectionError("this client has been closed")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
         rid = self.new_request_id()
         req = GenerateRequest(rid, sampling=params.to_dict(), stream=stream)

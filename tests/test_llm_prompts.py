@@ -23,3 +23,15 @@ def test_a_prompt_of_the_wrong_type_is_named_by_its_index(llm: LLM, prompts: lis
     bad = next(i for i, p in enumerate(prompts) if p != "Hello")
     with pytest.raises(TypeError, match=f"^prompt {bad}: "):
         llm.generate(prompts, GREEDY4, use_tqdm=False)
+
+
+def test_the_zmq_client_names_wrong_sampling_params_and_its_own_closing(llm: LLM) -> None:  # noqa: F811
+    from frontend.client import EngineClient, EngineConnectionError
+
+    client = EngineClient(llm.engine.endpoints.client)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got dict"):
+        next(client.generate("hi", {"temperature": 0}))
+    assert [o.finished for o in client.generate("hi", GREEDY4, stream=False)] == [True]
+    client.close()
+    with pytest.raises(EngineConnectionError, match="has been closed"):
+        next(client.generate("hi", GREEDY4))
