@@ -308,19 +308,24 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
 
 
+def _serve(model: Path, port: int, stderr: int = subprocess.PIPE) -> tuple[subprocess.Popen, list[int], set[Path]]:
+    """`launch.py --serve` of `model` on CPU, once it says it serves: (the launcher, its child processes,
+    the socket folders that appeared meanwhile: its own, unless another engine started at the same time)."""
+    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
+    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(model), "--serve", "--port", str(port),
+                               "--device", "cpu", "--max-model-len", "256"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=stderr, text=True)
+    line = server.stdout.readline()
+    assert "serving" in line, line + (server.stderr.read() if server.stderr else "")
+    return server, _children(server.pid), set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_signal: int) -> None:
     port = free_port()
-    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
-    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port", str(port),
-                               "--device", "cpu", "--max-model-len", "256"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    server, children, run_dirs = _serve(tiny_qwen3, port)
     try:
-        line = server.stdout.readline()
-        assert "serving" in line, line + server.stderr.read()
-        children = _children(server.pid)
         assert len(children) == 3  # frontend, scheduler, one worker
-        run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
         result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), "--max-tokens", "8",
                                  "--ignore-eos", "Hello there"], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
@@ -349,13 +354,7 @@ def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_s
 def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Path) -> None:
     """Impatient users press Ctrl-C again while the engine stops: that must hurry the stop, not abandon it
     half-way with the socket folder left behind."""
-    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
-    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port",
-                               str(free_port()), "--device", "cpu", "--max-model-len", "256"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert "serving" in server.stdout.readline()
-    children = _children(server.pid)
-    run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+    server, children, run_dirs = _serve(tiny_qwen3, free_port())
     server.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 15
     while server.poll() is None and time.monotonic() < deadline:  # Ctrl-C, Ctrl-C, Ctrl-C, ...
@@ -536,13 +535,7 @@ def test_requests_of_a_client_that_went_away_are_aborted(tiny_qwen3: Path, engin
 
 
 def test_a_killed_launcher_takes_its_processes_and_socket_folder_with_it(tiny_qwen3: Path) -> None:
-    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
-    server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port",
-                               str(free_port()), "--device", "cpu", "--max-model-len", "256"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert "serving" in server.stdout.readline()
-    children = _children(server.pid)
-    run_dirs = set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+    server, children, run_dirs = _serve(tiny_qwen3, free_port(), stderr=subprocess.DEVNULL)
     server.kill()
     server.wait()
     deadline = time.monotonic() + 10
