@@ -121,10 +121,18 @@ def cpu_threads_given() -> bool:
     return bool(os.environ.get("OMP_NUM_THREADS"))
 
 
+def frontend_timeout_s() -> float:
+    """DELTASERVE_FRONTEND_TIMEOUT_S: seconds the scheduler waits for any word from the frontend (which
+    pings it every second, busy or idle) before declaring it stopped or stuck and ending the engine
+    with that message (default 30; 0 turns the check off)."""
+    return _number("DELTASERVE_FRONTEND_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
+
+
 def check_all() -> None:
     """Read every variable once; raises `ValueError` naming the first bad one."""
     client_silence_s()
     scheduler_timeout_s()
+    frontend_timeout_s()
     all_reduce_impl()
     step_timeout_s()
     check_invariants()

@@ -204,7 +204,8 @@ class EngineInfo:
 class Ping:
     """Client -> frontend: are you alive? Answered by `Pong` with the same nonce.
 
-    Also the scheduler's heartbeat, never answered: to the frontend every second, and to idle workers."""
+    Also the heartbeat between the frontend and the scheduler (each pings the other every second) and
+    from the scheduler to idle workers; never answered."""
 
     nonce: int = 0
 

@@ -4,7 +4,7 @@ One loop: take client messages (ROUTER socket, one DEALER per client) -> validat
 each request -> forward it to the scheduler; take the scheduler's per-step token ids ->
 detokenize incrementally -> send each client the news of its requests.
 
-Liveness: clients ping this process, and it pings nobody; the scheduler pings it every second.
+Liveness: clients ping this process; it and the scheduler ping each other every second.
 A scheduler silent for DELTASERVE_SCHEDULER_TIMEOUT_S (stopped, or stuck without exiting, which
 the launcher cannot see) fails every pending request and ends this process, and with it the engine.
 
@@ -201,6 +201,7 @@ class FrontendProcess:
                     self._handle_client(client, raw)
             if time.monotonic() > next_check:  # after reading: pings queued behind a long submission count
                 self._abort_silent_clients()
+                ipc.send(self.to_scheduler, Ping())  # the scheduler takes a silent frontend for a stopped one
                 next_check = time.monotonic() + 1.0
 
     def _reply(self, client: bytes, msg: object) -> None:
@@ -291,6 +292,7 @@ class FrontendProcess:
                 beat = time.monotonic()
                 for waiting in self.last_seen:
                     self._reply(waiting, Pong(0))
+                ipc.send(self.to_scheduler, Ping())
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:

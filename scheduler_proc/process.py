@@ -9,7 +9,8 @@ Loop (policy lives in `scheduler.py`, this file only moves messages):
 3. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
    rank. A line of timing per step goes to the log at DEBUG level.
 Every second, busy or idle, it also pings the frontend, which takes a scheduler silent for
-DELTASERVE_SCHEDULER_TIMEOUT_S for a stopped or stuck one.
+DELTASERVE_SCHEDULER_TIMEOUT_S for a stopped or stuck one; the frontend pings it back the same way,
+and a frontend silent for DELTASERVE_FRONTEND_TIMEOUT_S ends the engine.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class SchedulerProcess:
         poller.register(self.from_workers, zmq.POLLIN)
         self.last_sent = time.monotonic()
         next_beat = time.monotonic()
+        frontend_timeout_s = envs.frontend_timeout_s()
+        frontend_last_heard = time.monotonic()
         while True:
             if time.monotonic() >= next_beat:  # the frontend takes a silent scheduler for a stopped one
                 ipc.send(self.to_frontend, Ping())
@@ -140,6 +143,11 @@ class SchedulerProcess:
                 for raw in ipc.recv_all(self.from_frontend):
                     if self._handle_frontend(raw):
                         return
+                frontend_last_heard = time.monotonic()
+            silent = time.monotonic() - frontend_last_heard
+            if frontend_timeout_s and silent > frontend_timeout_s:  # the launcher cannot see a stopped frontend
+                raise RuntimeError(f"the frontend has sent nothing for {silent:.0f} s (DELTASERVE_FRONTEND_TIMEOUT_S="
+                                   f"{frontend_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
             if self.from_workers in events:
                 for raw in ipc.recv_all(self.from_workers):
                     self._handle_worker(raw)
@@ -201,6 +209,8 @@ class SchedulerProcess:
                 ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
         elif isinstance(msg, Shutdown):
             return True  # close() says goodbye to the workers
+        elif isinstance(msg, Ping):  # the frontend's heartbeat
+            pass
         else:
             log.error("unexpected %s from the frontend", type(msg).__name__)
         return False

@@ -476,6 +476,25 @@ def test_a_stopped_scheduler_fails_the_requests_and_brings_the_engine_down(tiny_
     assert all(p.poll() is not None for p in llm.engine.procs.values())
 
 
+def test_a_stopped_frontend_ends_the_engine_with_a_message(tiny_qwen3: Path, engine_factory,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped frontend does not exit, so the launcher cannot see it: the scheduler, which hears its
+    ping every second, ends the engine instead of leaving it up and unreachable forever."""
+    monkeypatch.setenv("DELTASERVE_FRONTEND_TIMEOUT_S", "3")
+    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256)
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    time.sleep(4)  # idle for longer than the timeout: an idle frontend still pings
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    os.kill(llm.engine.procs["frontend"].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    stopped_and_why = r"frontend \(pid \d+\) is stopped.* sent nothing .*DELTASERVE_FRONTEND_TIMEOUT_S=3"
+    with pytest.raises(EngineDeadError, match=stopped_and_why):
+        llm.engine.wait()  # what `launch.py --serve` does
+    assert time.monotonic() - t0 < 15
+    llm.shutdown()
+    assert all(p.poll() is not None for p in llm.engine.procs.values())
+
+
 @pytest.mark.parametrize("how", ["frontend-sigterm", "worker-sigkill"])
 def test_a_client_hears_at_once_that_the_engine_went_down(tiny_qwen3: Path, engine_factory, how: str) -> None:
     """An engine going down (SIGTERM, Ctrl-C of the server, or a dead process after which the launcher stops
