@@ -451,16 +451,23 @@ def test_a_killed_worker_brings_the_engine_down_with_a_clear_message(tiny_qwen3:
         llm.generate(["again"], GREEDY8, use_tqdm=False)
 
 
+def _idle_then_stop(engine_factory, model: Path, process: str) -> LLM:
+    """An engine that served, idled past the 3 s heartbeat timeouts the caller set (idle processes still
+    ping), served again, and then had `process` SIGSTOPped."""
+    llm = engine_factory(model, block_size=16, max_model_len=256)
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    time.sleep(4)
+    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
+    os.kill(llm.engine.procs[process].pid, signal.SIGSTOP)
+    return llm
+
+
 def test_a_stopped_scheduler_fails_the_requests_and_brings_the_engine_down(tiny_qwen3: Path, engine_factory,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A stopped scheduler does not exit and the frontend still answers client pings, so without its
     heartbeat a client would wait forever: the frontend fails the requests and ends the engine instead."""
     monkeypatch.setenv("DELTASERVE_SCHEDULER_TIMEOUT_S", "3")
-    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256)
-    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
-    time.sleep(4)  # idle for longer than the timeout: an idle scheduler still pings
-    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
-    os.kill(llm.engine.procs["scheduler"].pid, signal.SIGSTOP)
+    llm = _idle_then_stop(engine_factory, tiny_qwen3, "scheduler")
     client = EngineClient(llm.engine.endpoints.client)  # a served client: no launcher to watch
     t0 = time.monotonic()
     try:
@@ -481,11 +488,7 @@ def test_a_stopped_frontend_ends_the_engine_with_a_message(tiny_qwen3: Path, eng
     """A stopped frontend does not exit, so the launcher cannot see it: the scheduler, which hears its
     ping every second, ends the engine instead of leaving it up and unreachable forever."""
     monkeypatch.setenv("DELTASERVE_FRONTEND_TIMEOUT_S", "3")
-    llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=256)
-    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
-    time.sleep(4)  # idle for longer than the timeout: an idle frontend still pings
-    assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
-    os.kill(llm.engine.procs["frontend"].pid, signal.SIGSTOP)
+    llm = _idle_then_stop(engine_factory, tiny_qwen3, "frontend")
     t0 = time.monotonic()
     stopped_and_why = r"frontend \(pid \d+\) is stopped.* sent nothing .*DELTASERVE_FRONTEND_TIMEOUT_S=3"
     with pytest.raises(EngineDeadError, match=stopped_and_why):
