@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from common.protocol import python_numbers
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -68,12 +68,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
         for f in dataclasses.fields(self):  # numpy numbers are taken as the Python ones (what JSON carries)
-            value = getattr(self, f.name)
-            if isinstance(value, np.generic):
-                object.__setattr__(self, f.name, value.item())
-            elif isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
-                object.__setattr__(self, f.name, type(value)(v.item() if isinstance(v, np.generic) else v
-                                                             for v in value))
+            object.__setattr__(self, f.name, python_numbers(getattr(self, f.name)))
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model must be a folder path, got {self.model!r}")
         object.__setattr__(self, "model", os.fspath(self.model))

@@ -368,6 +368,19 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, cls.__name__, *_to_wire(msg)], use_bin_type=True)
 
 
+def python_numbers(value: Any) -> Any:
+    """`value` with numpy numbers made Python ones (what msgpack and JSON carry): a numpy scalar, a
+    numpy array (as a list), or a list or tuple holding numpy scalars (same container type); anything
+    else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
+        return type(value)(v.item() if isinstance(v, np.generic) else v for v in value)
+    return value
+
+
 def wire_error(value: Any, where: str = "") -> str | None:
     """Why `value` (a message, a struct or a field value) cannot be encoded, naming the first bad
     part by its path under `where` (e.g. "prompt_token_ids[1]"); None if it can.

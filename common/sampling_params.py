@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
+from common.protocol import python_numbers
 
 TOKEN_ID_LIMIT = 2**63  # token ids and counts travel as 64-bit integers
 
@@ -41,14 +41,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the bad field and the allowed range (numpy numbers become Python ones)."""
-        for name in ("temperature", "max_tokens", "seed", "ignore_eos", "skip_special_tokens"):
-            if isinstance(getattr(self, name), np.generic):
-                setattr(self, name, getattr(self, name).item())
-        if isinstance(self.stop_token_ids, np.ndarray):
-            self.stop_token_ids = self.stop_token_ids.tolist()
-        elif isinstance(self.stop_token_ids, (list, tuple)) and any(isinstance(i, np.generic)
-                                                                    for i in self.stop_token_ids):
-            self.stop_token_ids = [i.item() if isinstance(i, np.generic) else i for i in self.stop_token_ids]
+        for name in ("temperature", "max_tokens", "seed", "ignore_eos", "skip_special_tokens", "stop_token_ids"):
+            setattr(self, name, python_numbers(getattr(self, name)))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
