@@ -20,7 +20,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.config import load_hf_config
 from workers.models.llama import head_dim_of
 
 
@@ -43,8 +42,9 @@ def expected_shape(name: str, hf_config: Any) -> tuple[int, ...] | None:
     return shapes.get(".".join(name.split(".")[-2:]))
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Fill every parameter of `model` from `model_dir/*.safetensors`.
+def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
+    """Fill every parameter of `model` from `model_dir/*.safetensors`; `hf_config` is the folder's
+    config.json as `common.config.load_hf_config` read it.
 
     Raises `FileNotFoundError` when there is no safetensors file, `KeyError` for a checkpoint
     tensor with no matching parameter, and `ValueError` for a tensor whose shape is not the one
@@ -53,7 +53,6 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
-    hf_config = load_hf_config(model_dir)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)

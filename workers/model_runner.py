@@ -135,7 +135,7 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(self.dtype):
             model = MODEL_REGISTRY[config.architecture](self.hf_config, config.max_model_len)
         model.to(self.device)  # buffers built on the host (rope tables)
-        load_weights(model, config.model)
+        load_weights(model, config.model, self.hf_config)
         self.model = model.eval()
         self.attn_layers = model.attention_layers()
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype,
