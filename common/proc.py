@@ -48,8 +48,8 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
     signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the clean-up
-    if _stop_deferred.depth:  # in the middle of something that must not be cut (a multipart send)
-        _stop_deferred.signum = signum
+    if stop_signals_deferred.depth:  # in the middle of something that must not be cut (a multipart send)
+        stop_signals_deferred.signum = signum
         return
     raise SystemExit(128 + signum)
 
@@ -74,7 +74,7 @@ class _StopDeferred:
             raise SystemExit(128 + signum)
 
 
-_stop_deferred = stop_signals_deferred = _StopDeferred()
+stop_signals_deferred = _StopDeferred()
 
 
 def parent_gone(parent_pid: int) -> bool:

@@ -224,8 +224,8 @@ class FrontendProcess:
             ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
 
     def _check_scheduler(self) -> None:
-        """Raise if the scheduler has sent nothing (not even its once-a-second ping) for
-        DELTASERVE_SCHEDULER_TIMEOUT_S seconds, after giving every pending request that error.
+        """Raise `SchedulerSilent` if the scheduler has sent nothing (not even its once-a-second ping)
+        for DELTASERVE_SCHEDULER_TIMEOUT_S seconds; `serve` then gives every pending request that error.
 
         A stopped or stuck scheduler does not exit, so the launcher does not notice it, and clients
         would wait forever since this process keeps answering their pings. The raised error ends
@@ -236,8 +236,7 @@ class FrontendProcess:
             return
         why = (f"the scheduler has sent nothing for {silent:.0f} s (DELTASERVE_SCHEDULER_TIMEOUT_S="
                f"{self.scheduler_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
-        self._fail_pending(why)
-        raise RuntimeError(why)
+        raise SchedulerSilent(why)
 
     def _fail_pending(self, why: str) -> None:
         """Finish every pending request with finish reason "error" and `why` (the text so far included),
@@ -409,9 +408,15 @@ class FrontendProcess:
                 os.unlink(path)
 
 
+class SchedulerSilent(RuntimeError):
+    """The scheduler fell silent; the message is what clients are told."""
+
+
 def shutdown_reason(exc: BaseException) -> str:
     """What a client is told when this process ends by `exc`: a signal (`SystemExit(128 + signum)`,
-    raised by `common.proc`), Ctrl-C, or an error."""
+    raised by `common.proc`), Ctrl-C, a silent scheduler, or an error."""
+    if isinstance(exc, SchedulerSilent):
+        return str(exc)
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else None
         if code is not None and code > 128:
