@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,7 @@ class EngineConfig:
             if value is None and allow_none:
                 return
             kinds = (int,) if integer else (int, float)
-            if not isinstance(value, kinds) or isinstance(value, bool) or not value > 0:
+            if not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
         for f in dataclasses.fields(self):  # numpy numbers are taken as the Python ones (what JSON carries)

@@ -53,7 +53,8 @@ SIZES = ["max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"
          "kv_cache_memory_gb", "tensor_parallel_size"]
 
 
-@pytest.mark.parametrize("value", [0, -1, -0.5, True, "16"], ids=["zero", "negative", "negative-float", "bool", "str"])
+@pytest.mark.parametrize("value", [0, -1, -0.5, True, "16", float("inf"), float("nan")],
+                         ids=["zero", "negative", "negative-float", "bool", "str", "inf", "nan"])
 @pytest.mark.parametrize("name", SIZES)
 def test_non_positive_size_is_refused_naming_the_setting(model_dir: str, name: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be a positive (integer|number)"):
