@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import python_numbers
+from common.sampling_params import SEED_LIMIT
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -49,7 +50,7 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     dtype: str = "auto"
     device: str = "auto"
-    seed: int = 0
+    seed: int = 0  # in [0, 2**63), the range of a request's seed
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
@@ -90,7 +91,7 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -9,6 +9,10 @@ from typing import Any
 from common.protocol import python_numbers
 
 TOKEN_ID_LIMIT = 2**63  # token ids and counts travel as 64-bit integers
+# A request's seed is in [0, SEED_LIMIT): the sampler keys its noise by the seed modulo 2**63
+# (workers/sampler.py), so a negative or larger seed would repeat one of these. The engine's seed
+# (EngineConfig.seed) takes the same range.
+SEED_LIMIT = 2**63
 
 
 @dataclass
@@ -25,7 +29,8 @@ class SamplingParams:
     - `ignore_eos`: keep generating past the model's end-of-sequence tokens.
     - `stop_token_ids`: extra token ids that end generation (finish reason "stop"); they apply
       even with `ignore_eos`.
-    - `seed`: makes this request's samples reproducible whatever else is in the batch.
+    - `seed`: an integer in [0, 2**63) that makes this request's samples reproducible whatever
+      else is in the batch (None: the engine's own seeded stream).
     - `skip_special_tokens`: leave special tokens out of the returned text (token ids keep them).
     """
 
@@ -53,8 +58,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -2**63 <= self.seed < 2**64):
-            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < TOKEN_ID_LIMIT for i in self.stop_token_ids
         ):

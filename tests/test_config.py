@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -315,9 +316,28 @@ def test_invalid_sampling_param_raises_value_error_naming_it(name: str, value: A
         SamplingParams(**{name: value})
 
 
-@pytest.mark.parametrize("seed", [0, -1, 2**63])
-def test_any_integer_seed_is_accepted(seed: int) -> None:
+@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])
+def test_a_seed_in_0_to_2_63_is_accepted_by_a_request_and_by_the_engine(model_dir: str, seed: int) -> None:
     assert SamplingParams(seed=seed).seed == seed
+    assert EngineConfig(model_dir, seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("seed", [-1, -2**63, 2**63, 2**64 - 1])
+def test_a_seed_outside_0_to_2_63_is_refused_by_a_request_and_by_the_engine_naming_the_range(
+        model_dir: str, seed: int) -> None:
+    """The sampler keys its noise by the seed modulo 2**63: a seed outside [0, 2**63) would repeat
+    the samples of one inside, so neither a request nor the engine takes one."""
+    with pytest.raises(ValueError, match=re.escape(f"seed must be an integer in [0, 2**63) or None, got {seed}")):
+        SamplingParams(seed=seed)
+    with pytest.raises(ConfigError, match=re.escape(f"seed must be an integer in [0, 2**63), got {seed}")):
+        EngineConfig(model_dir, seed=seed)
+
+
+def test_seeds_2_63_apart_would_draw_the_same_noise() -> None:
+    from workers.sampler import seeded_generator_seed
+
+    assert seeded_generator_seed(5, 17) == seeded_generator_seed(5 + 2**63, 17)
+    assert seeded_generator_seed(2**63 - 1, 17) == seeded_generator_seed(-1, 17)
 
 
 def test_from_dict_rejects_an_unknown_key_naming_it() -> None:
