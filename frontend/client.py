@@ -234,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        p.error(str(exc))
+    except ValueError as exc:  # the message starts with the field's name: name the option instead
+        name, _, why = str(exc).partition(" ")
+        p.error(f"--{name.replace('_', '-')} {why}")
     if args.address is None and not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"
