@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import numbers
+import socket
 import sys
 import time
 import uuid
@@ -213,6 +214,19 @@ class EngineClient:
         self.sock.close()
 
 
+def unresolvable_host(address: str) -> tuple[str, str] | None:
+    """(host, why) when the host of a tcp:// `address` has no network address; None when it has one
+    or `address` is not tcp. ZeroMQ would retry such a host in silence until the client times out."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://"):].rpartition(";")[2].rpartition(":")[0].strip("[]")  # [src;]host:port
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        return host, getattr(exc, "strerror", None) or str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m frontend.client",
                                 description="Submit prompts to a running deltaserve engine and print the answers.")
@@ -244,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         client = EngineClient(address, dead_after_s=args.timeout)
     except ValueError as exc:
         p.error(str(exc))
+    unresolved = unresolvable_host(address)
+    if unresolved is not None:
+        client.close()
+        host, why = unresolved
+        print(f"error: cannot resolve the engine host {host!r} ({'--address' if args.address else '--host'}): {why}",
+              file=sys.stderr)
+        return 1
     try:
         client.engine_info(timeout_s=args.timeout)
     except EngineConnectionError as exc:

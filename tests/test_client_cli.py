@@ -3,9 +3,13 @@ needed for any of these."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from frontend.client import main
+
+UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: the .invalid top-level domain never resolves
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -20,3 +24,15 @@ def test_a_sampling_value_out_of_range_is_refused_naming_the_option(argv: list[s
 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("where", [["--host", UNRESOLVABLE], ["--address", f"tcp://{UNRESOLVABLE}:8000"]])
+def test_an_unresolvable_host_fails_at_once_with_one_line_naming_it(where: list[str], capsys) -> None:
+    start = time.monotonic()
+    code = main([*where, "--timeout", "5", "hi"])
+    elapsed = time.monotonic() - start
+
+    err = capsys.readouterr().err
+    assert code == 1 and elapsed < 3
+    assert err.startswith(f"error: cannot resolve the engine host '{UNRESOLVABLE}' ({where[0]}): "), err
+    assert err.count("\n") == 1, err
