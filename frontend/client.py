@@ -214,6 +214,18 @@ class EngineClient:
         self.sock.close()
 
 
+def undecodable_text(text: str) -> str | None:
+    """Where `text` has no UTF-8 encoding (a byte the shell passed undecoded, kept by Python as a
+    surrogate escape, or any lone surrogate); None if it has one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate {text[exc.start]!r}"
+        return f"{what} at character {exc.start}"
+    return None
+
+
 def unresolvable_host(address: str) -> tuple[str, str] | None:
     """(host, why) when the host of a tcp:// `address` has no network address; None when it has one
     or `address` is not tcp. ZeroMQ would retry such a host in silence until the client times out."""
@@ -251,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # the message starts with the field's name: name the option instead
         name, _, why = str(exc).partition(" ")
         p.error(f"--{name.replace('_', '-')} {why}")
+    for n, text in enumerate(args.prompts, 1):
+        where = undecodable_text(text)
+        if where is not None:
+            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded (give prompts in UTF-8)")
     if args.address is None and not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"

@@ -3,11 +3,14 @@ needed for any of these."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
 from frontend.client import main
+from tests.conftest import REPO
 
 UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: the .invalid top-level domain never resolves
 
@@ -36,3 +39,24 @@ def test_an_unresolvable_host_fails_at_once_with_one_line_naming_it(where: list[
     assert code == 1 and elapsed < 3
     assert err.startswith(f"error: cannot resolve the engine host '{UNRESOLVABLE}' ({where[0]}): "), err
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("chat", [["--chat"], []])
+def test_a_prompt_argument_that_is_not_utf8_is_refused_naming_the_argument(chat: list[str], capsys) -> None:
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # how Python hands over an undecodable argument
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*chat, "--timeout", "1", "fine", bad])
+
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "prompt argument 2 is not UTF-8 text: byte 0xe9 at character 3 cannot be decoded" in err, err
+    assert "messages[0]" not in err
+
+
+def test_a_latin1_byte_from_the_shell_is_refused_naming_the_argument() -> None:
+    result = subprocess.run([sys.executable, "-m", "frontend.client", "--chat", "--timeout", "1", b"caf\xe9"],
+                            cwd=REPO, capture_output=True, timeout=60)
+
+    assert result.returncode == 2
+    assert b"prompt argument 1 is not UTF-8 text: byte 0xe9 at character 3" in result.stderr, result.stderr
