@@ -21,8 +21,16 @@ from typing import Any
 import zmq
 
 from common import envs, ipc, protocol
+from common.config import ConfigError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
+
+
+class ExplainedError(RuntimeError):
+    """A failure the engine anticipates (a missing device, a stuck step, a silent peer), whose message
+    says all a user needs: what went wrong and, where there is one, what to change. A process ending by
+    one logs and reports that message alone; any other exception is logged with its traceback.
+    `ConfigError` (an unusable model or setting) is taken the same way."""
 
 
 def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None = None) -> logging.Logger:
@@ -163,14 +171,20 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
 
 
 def run_process(name: str, control_address: str, body: Callable[[], None]) -> None:
-    """Run a process body; on an exception, tell the launcher why before exiting with code 1."""
+    """Run a process body; on an exception, tell the launcher why before exiting with code 1: the message
+    of an `ExplainedError` or `ConfigError`, else the exception's type and message (its traceback is logged)."""
     try:
         body()
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # any failure: report it, then die (the launcher stops the rest)
-        text = f"{type(exc).__name__}: {exc}"
-        logging.getLogger(f"deltaserve.{name}").error("fatal error:\n%s", traceback.format_exc())
+        log = logging.getLogger(f"deltaserve.{name}")
+        if isinstance(exc, (ExplainedError, ConfigError)):
+            text = str(exc)
+            log.error("fatal error: %s", text)
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            log.error("fatal error:\n%s", traceback.format_exc())
         with contextlib.suppress(Exception):
             ctx = zmq.Context.instance()
             sock = ipc.make_socket(ctx, zmq.PUSH, control_address, bind=False)

@@ -28,7 +28,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.limits import prompt_limit_error
-from common.proc import engine_process_main, stop_signals_deferred
+from common.proc import ExplainedError, engine_process_main, stop_signals_deferred
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -61,17 +61,18 @@ KEEPALIVE_S = 0.5
 
 
 def load_tokenizer(path: str) -> Any:
+    """The fast tokenizer in folder `path`. Raises `ExplainedError` if there is none."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises several types for a folder without a tokenizer
-        raise RuntimeError(f"cannot load a tokenizer from {path}: {exc}") from exc
+        raise ExplainedError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
     if not getattr(tok, "is_fast", False):
-        raise RuntimeError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
+        raise ExplainedError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
     if len(tok) < 2:  # transformers builds an empty tokenizer for a folder without tokenizer files
-        raise RuntimeError(f"no tokenizer in {path} (tokenizer.json, or vocab and merges files): "
-                           f"pass --tokenizer DIR")
+        raise ExplainedError(f"no tokenizer in {path} (tokenizer.json, or vocab and merges files): "
+                             f"pass --tokenizer DIR")
     return tok
 
 
@@ -408,7 +409,7 @@ class FrontendProcess:
                 os.unlink(path)
 
 
-class SchedulerSilent(RuntimeError):
+class SchedulerSilent(ExplainedError):
     """The scheduler fell silent; the message is what clients are told."""
 
 

@@ -22,7 +22,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import StepLog, engine_process_main
+from common.proc import ExplainedError, StepLog, engine_process_main
 from common.protocol import (
     AbortSeqs,
     AddRequests,
@@ -77,7 +77,7 @@ class SchedulerProcess:
         self.step_timeout_s = envs.step_timeout_s(on_cpu=any(r.device == "cpu" for r in ready.values()))
         num_blocks = min(r.max_num_kv_blocks for r in ready.values())
         if num_blocks <= 0:
-            raise RuntimeError(
+            raise ExplainedError(
                 "no memory is left for the KV cache after loading the model "
                 f"(ranks report {[r.max_num_kv_blocks for r in ready.values()]} blocks); "
                 "raise --gpu-memory-utilization or set --num-kvcache-blocks")
@@ -116,10 +116,11 @@ class SchedulerProcess:
 
     @staticmethod
     def _worker_message(raw: bytes) -> object:
-        """A worker's message; a worker's failure report ends the scheduler with its reason."""
+        """A worker's message; a worker's failure report ends the scheduler with its reason (the worker
+        logged its own traceback, if any)."""
         msg = decode(raw)  # workers are ours: a malformed message is a fatal bug
         if isinstance(msg, ProcessFailed):
-            raise RuntimeError(f"{msg.name} failed: {msg.error}")
+            raise ExplainedError(f"{msg.name} failed: {msg.error}")
         return msg
 
     # ------------------------------------------------------------------ serving
@@ -146,7 +147,7 @@ class SchedulerProcess:
                 frontend_last_heard = time.monotonic()
             silent = time.monotonic() - frontend_last_heard
             if frontend_timeout_s and silent > frontend_timeout_s:  # the launcher cannot see a stopped frontend
-                raise RuntimeError(f"the frontend has sent nothing for {silent:.0f} s (DELTASERVE_FRONTEND_TIMEOUT_S="
+                raise ExplainedError(f"the frontend has sent nothing for {silent:.0f} s (DELTASERVE_FRONTEND_TIMEOUT_S="
                                    f"{frontend_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
             if self.from_workers in events:
                 for raw in ipc.recv_all(self.from_workers):
@@ -169,7 +170,7 @@ class SchedulerProcess:
                 self.last_sent = time.monotonic()
 
     def _check_progress(self) -> None:
-        """Raise if the oldest unfinished step is older than DELTASERVE_STEP_TIMEOUT_S.
+        """Raise `ExplainedError` if the oldest unfinished step is older than DELTASERVE_STEP_TIMEOUT_S.
 
         A worker that stops making progress without exiting (SIGSTOP, a hung device, a peer that died
         inside a collective whose kernel now waits forever) would otherwise leave every request
@@ -181,7 +182,7 @@ class SchedulerProcess:
         step_id, sent = next(iter(self.unfinished.items()))  # plans are sent in order: the first is the oldest
         waited = time.monotonic() - sent
         if waited > self.step_timeout_s:
-            raise RuntimeError(
+            raise ExplainedError(
                 f"step {step_id} has not finished after {waited:.0f} s (DELTASERVE_STEP_TIMEOUT_S="
                 f"{self.step_timeout_s:g}): a worker is stuck (a stopped process, a hung device, or a peer "
                 "lost inside a collective)")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltaserve import LLM
 from frontend.launcher import EngineStartError
@@ -36,3 +37,13 @@ def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
         tiny_qwen3: Path, options: dict, message: str) -> None:
     with pytest.raises(EngineStartError, match=message):
         LLM(str(tiny_qwen3), device="cpu", **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_device_cuda_without_cuda_is_one_clear_line_not_a_traceback(tiny_qwen3: Path) -> None:
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cuda",
+                             "--prompt", "hi"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr
+    assert ("error: worker-tp0: device 'cuda' was requested but CUDA is not available; the engine was shut down"
+            in result.stderr), result.stderr

@@ -17,7 +17,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import StepLog, engine_process_main
+from common.proc import ExplainedError, StepLog, engine_process_main
 from common.protocol import (
     InitKVCache,
     KVCacheReady,
@@ -57,7 +57,11 @@ class WorkerProcess:
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
-        self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
+        try:
+            device = resolve_device(config.device, rank)
+        except RuntimeError as exc:  # all it raises: the requested device is not on this host
+            raise ExplainedError(str(exc)) from None
+        self.cpu_threads = set_cpu_threads(device.type, config.tensor_parallel_size)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
         self.step_log = StepLog(f"worker-tp{rank}")
 
@@ -88,7 +92,7 @@ class WorkerProcess:
             msg = ipc.recv(self.plans, timeout_ms=1000)
             if msg is None:
                 if self.external and time.monotonic() - last_heard > SCHEDULER_SILENCE_S:
-                    raise RuntimeError(f"no word from the scheduler for {SCHEDULER_SILENCE_S:.0f} s: it is gone")
+                    raise ExplainedError(f"no word from the scheduler for {SCHEDULER_SILENCE_S:.0f} s: it is gone")
                 continue
             last_heard = time.monotonic()
             if isinstance(msg, Ping):
