@@ -18,6 +18,8 @@ import zmq
 
 from common import protocol
 
+STOP_REASON_FILE = "stop-reason"  # in the run folder: see Endpoints.write_stop_reason
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -30,7 +32,8 @@ class Endpoints:
     - `worker_out`: scheduler PULL, the workers' hand-shakes and step results.
     - `plans`: one scheduler PUSH per worker rank, step plans.
     - `dist_init`: torch.distributed rendezvous (tcp://host:port), for tensor parallelism.
-    - `run_dir`: the per-launch folder holding ipc sockets ("" for tcp).
+    - `run_dir`: the per-launch folder: the ipc sockets, and the launcher's stop reason
+      (`write_stop_reason`); "" where there is none (addresses made by hand).
     """
 
     client: str
@@ -45,16 +48,16 @@ class Endpoints:
     @classmethod
     def create(cls, tp_size: int, transport: str = "ipc", host: str = "127.0.0.1") -> Endpoints:
         """Fresh addresses for one launch; two launches never share a path or port."""
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         dist_init = f"tcp://{host}:{free_port(host)}"
+        run_dir = tempfile.mkdtemp(prefix="deltaserve-")
         if transport == "ipc":
-            run_dir = tempfile.mkdtemp(prefix="deltaserve-")
             a = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
             return cls(a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out"),
                        tuple(a(f"plans-{r}") for r in range(tp_size)), dist_init, run_dir)
-        if transport == "tcp":
-            t = lambda: f"tcp://{host}:{free_port(host)}"  # noqa: E731
-            return cls(t(), t(), t(), t(), t(), tuple(t() for _ in range(tp_size)), dist_init)
-        raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        t = lambda: f"tcp://{host}:{free_port(host)}"  # noqa: E731
+        return cls(t(), t(), t(), t(), t(), tuple(t() for _ in range(tp_size)), dist_init, run_dir)
 
     def with_client(self, address: str) -> Endpoints:
         d = asdict(self)
@@ -68,6 +71,27 @@ class Endpoints:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoints:
         return cls(**{**d, "plans": tuple(d["plans"])})
+
+    def write_stop_reason(self, reason: str) -> None:
+        """Leave `reason` (why the launcher stops the engine, e.g. which process died and how) in the run
+        folder, for the frontend to tell its clients when the launcher's SIGTERM comes: otherwise it could
+        only say that it got SIGTERM. Written whole or not at all; raises `OSError`."""
+        if not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, STOP_REASON_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(reason)
+        os.replace(path + ".tmp", path)
+
+    def read_stop_reason(self) -> str | None:
+        """What `write_stop_reason` left (at most 4096 characters), or None: none left, or it cannot be read."""
+        if not self.run_dir:
+            return None
+        try:
+            with open(os.path.join(self.run_dir, STOP_REASON_FILE), encoding="utf-8") as f:
+                return f.read(4096) or None
+        except (OSError, ValueError):  # ValueError: not UTF-8
+            return None
 
     def cleanup(self) -> None:
         """Remove the per-launch folder (and the socket files in it)."""

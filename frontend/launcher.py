@@ -4,7 +4,8 @@ One engine = one frontend, one scheduler and one worker per tensor-parallel rank
 separate `python -m <package>` process (so each can also be started by hand, e.g. a worker on
 another host, or under a profiler). Every process reports ready or failed on the launcher's
 control socket. If any process dies, `check()` raises `EngineDeadError` naming it, after
-stopping all the others; children also die with the launcher (PR_SET_PDEATHSIG).
+stopping all the others (the frontend first fails its pending requests with that same reason);
+children also die with the launcher (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -140,12 +141,16 @@ class EngineProcesses:
             return
         time.sleep(0.1)  # let a dying process's failure report arrive
         self._read_control()
-        parts = [f"{name} exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+        parts = [f"{name} exited with code {code} ({_how_it_ended(self.procs[name].pid, code)})"
                  for name, code in dead.items()]
         # A stopped process reports nothing itself; its peers only see it fall silent. Name it first.
         stopped = [f"{name} (pid {p.pid}) is stopped (SIGSTOP, or a debugger)" for name, p in self.procs.items()
                    if _is_stopped(p.pid)]
         message = "; ".join(stopped + self.failures + parts) or "an engine process failed"
+        try:  # the frontend tells its clients this, rather than that it got SIGTERM
+            self.endpoints.write_stop_reason(message)
+        except OSError as exc:
+            log.warning("could not leave the frontend the reason of the shutdown: %s", exc)
         self.shutdown(timeout_s=2.0)  # survivors may be stuck in a collective with the dead: do not wait long
         raise error(f"{message}; the engine was shut down")
 
@@ -194,6 +199,17 @@ class EngineProcesses:
             finally:
                 self.endpoints.cleanup()
                 restore()
+
+
+def _how_it_ended(pid: int, code: int) -> str:
+    """"pid 12, killed by SIGKILL" for a process that exited with code -9, "pid 12" for code 1."""
+    if code >= 0:
+        return f"pid {pid}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"pid {pid}, killed by {name}"
 
 
 def _is_stopped(pid: int) -> bool:

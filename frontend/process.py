@@ -141,6 +141,7 @@ class FrontendProcess:
         self.scheduler_timeout_s = envs.scheduler_timeout_s()
         self.scheduler_last_heard = time.monotonic()
         self.client_address = endpoints.client
+        self.endpoints = endpoints
         self.requests: dict[int, RequestState] = {}  # by seq_id
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
         self.next_seq_id = 0
@@ -175,7 +176,7 @@ class FrontendProcess:
         try:
             self._serve_loop()
         except BaseException as exc:
-            self._fail_pending(shutdown_reason(exc))
+            self._fail_pending(shutdown_reason(exc, self.endpoints.read_stop_reason()))
             raise
 
     def _serve_loop(self) -> None:
@@ -413,13 +414,18 @@ class SchedulerSilent(ExplainedError):
     """The scheduler fell silent; the message is what clients are told."""
 
 
-def shutdown_reason(exc: BaseException) -> str:
+def shutdown_reason(exc: BaseException, launcher_reason: str | None = None) -> str:
     """What a client is told when this process ends by `exc`: a signal (`SystemExit(128 + signum)`,
-    raised by `common.proc`), Ctrl-C, a silent scheduler, or an error."""
+    raised by `common.proc`), Ctrl-C, a silent scheduler, or an error.
+
+    `launcher_reason`: why the launcher stopped the engine, if it said (`Endpoints.write_stop_reason`:
+    another process died first); a signal is then told as that reason, since the launcher sent it."""
     if isinstance(exc, SchedulerSilent):
         return str(exc)
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else None
+        if code is not None and code > 128 and launcher_reason:
+            return f"the engine is shutting down: {launcher_reason}"
         if code is not None and code > 128:
             try:
                 name = signal.Signals(code - 128).name
