@@ -136,13 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
-    if args.serve:
-        from common.ipc import check_port_free
+    client_listener = None
+    if args.serve:  # the port is this engine's from here on: a second engine started meanwhile is refused here
+        from common.ipc import hold_port
 
         try:
-            check_port_free(args.host, args.port)
-        except ValueError as exc:
-            parser.error(f"{exc} (is another engine serving there? choose --port)")
+            client_listener = hold_port(args.host, args.port)
+        except ValueError as exc:  # one line, not the usage: the arguments are fine, the port is taken
+            parser.exit(2, f"{parser.prog}: error: {exc} (is another engine serving there? choose --port)\n")
     local_ranks = None
     if args.local_ranks is not None:
         try:
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--local-ranks must be comma-separated integers, got {args.local_ranks!r}")
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
-                                 local_ranks=local_ranks, on_external_worker=_print_worker_command)
+                                 local_ranks=local_ranks, on_external_worker=_print_worker_command,
+                                 client_listener=client_listener)
     except (ConfigError, ValueError, OSError) as exc:
         parser.error(str(exc))
     # Ctrl-C and SIGTERM stop the engine, also when started from a script that ignores SIGINT.

@@ -11,7 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import zmq
@@ -34,6 +34,8 @@ class Endpoints:
     - `dist_init`: torch.distributed rendezvous (tcp://host:port), for tensor parallelism.
     - `run_dir`: the per-launch folder: the ipc sockets, and the launcher's stop reason
       (`write_stop_reason`); "" where there is none (addresses made by hand).
+    - `client_fd`: a socket already listening on `client` that the frontend inherits from the
+      launcher (`hold_port`) and serves on, or -1: the frontend binds `client` itself.
     """
 
     client: str
@@ -44,6 +46,7 @@ class Endpoints:
     plans: tuple[str, ...]
     dist_init: str
     run_dir: str = ""
+    client_fd: int = -1
 
     @classmethod
     def create(cls, tp_size: int, transport: str = "ipc", host: str = "127.0.0.1") -> Endpoints:
@@ -59,11 +62,9 @@ class Endpoints:
         t = lambda: f"tcp://{host}:{free_port(host)}"  # noqa: E731
         return cls(t(), t(), t(), t(), t(), tuple(t() for _ in range(tp_size)), dist_init, run_dir)
 
-    def with_client(self, address: str) -> Endpoints:
-        d = asdict(self)
-        d["client"] = address
-        d["plans"] = tuple(d["plans"])
-        return Endpoints(**d)
+    def with_client(self, address: str, fd: int = -1) -> Endpoints:
+        """These endpoints with clients served on `address` (through the listening socket `fd`, if given)."""
+        return replace(self, client=address, client_fd=fd)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,21 +111,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise `ValueError` if TCP `port` on `host` cannot be listened on now (another server has it),
-    so that a busy port is reported before the engine loads a model. Ports in TIME_WAIT pass, as
-    ZeroMQ reuses them too."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            s.listen(1)
-        except OSError as exc:
-            raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+def hold_port(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`:`port`, for the frontend to serve clients on (`Endpoints.client_fd`).
+
+    Taken before the engine loads its model and kept until the frontend serves, so that a busy port is
+    reported at once, and no other server (a second engine started meanwhile) can take it in between:
+    that one is refused here instead. Ports in TIME_WAIT pass, as ZeroMQ reuses them too. Raises
+    `ValueError` naming the port if it cannot be listened on."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+        s.listen(128)
+    except OSError as exc:
+        s.close()
+        raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    return s
 
 
-def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    """A socket with no send/receive limits and no linger at close (exit never blocks).
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int = -1) -> zmq.Socket:
+    """A socket with no send/receive limits and no linger at close (exit never blocks). `fd`: a socket
+    already listening on `address` to bind through (ZMQ_USE_FD), instead of a fresh one.
 
     Raises `zmq.ZMQError` (the socket closed) for an address ZeroMQ cannot bind or connect to."""
     sock = ctx.socket(kind)
@@ -132,6 +139,8 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.So
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     try:
+        if fd >= 0:
+            sock.setsockopt(zmq.USE_FD, fd)
         if bind:
             if address.startswith("ipc://"):
                 path = address[len("ipc://"):]

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,9 +43,13 @@ class EngineDeadError(RuntimeError):
 class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
                  host: str = "127.0.0.1", local_ranks: list[int] | None = None,
-                 on_external_worker: Any = None) -> None:
+                 on_external_worker: Any = None, client_listener: socket.socket | None = None) -> None:
         """`config` is resolved here (raises `ConfigError` for an unusable model or setting, and
         `ValueError` naming a bad DELTASERVE_* environment variable, before any process starts).
+
+        `client_listener`: a socket already listening on `client_address` (`ipc.hold_port`); the frontend
+        inherits it and serves on it, so the port stays this engine's while the model loads. Owned (and
+        closed) from here on.
 
         `local_ranks`: the worker ranks started here (default: all). Every other rank is an external
         worker, started by hand (e.g. on a second host) with the command `worker_command(rank)`;
@@ -61,8 +66,10 @@ class EngineProcesses:
             raise ValueError("workers started elsewhere need transport='tcp'")
         self.on_external_worker = on_external_worker
         self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
+        self.client_listener = client_listener
         if client_address:
-            self.endpoints = self.endpoints.with_client(client_address)
+            fd = client_listener.fileno() if client_listener is not None else -1
+            self.endpoints = self.endpoints.with_client(client_address, fd)
         self.ctx = zmq.Context.instance()
         self.control: zmq.Socket | None = None
         self.procs: dict[str, subprocess.Popen] = {}
@@ -81,11 +88,11 @@ class EngineProcesses:
         """What to run (from a checkout of this repository) to start worker `rank` by hand."""
         return self.command("workers", "--rank", str(rank))
 
-    def _spawn(self, name: str, module: str, *extra: str) -> None:
+    def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)
-        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT)
+        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, pass_fds=pass_fds)
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Start every process and wait until all are ready; returns the frontend's engine info.
@@ -101,7 +108,9 @@ class EngineProcesses:
                 elif self.on_external_worker is not None:
                     self.on_external_worker(rank, self.worker_command(rank))
             self._spawn("scheduler", "scheduler_proc")
-            self._spawn("frontend", "frontend")
+            listener_fds = (self.endpoints.client_fd,) if self.client_listener is not None else ()
+            self._spawn("frontend", "frontend", pass_fds=listener_fds)
+            self._release_client_listener()  # the frontend holds the port now: its exit must free it
             waiting = set(self.procs) | {f"worker-tp{r}" for r in range(tp)}
             deadline = time.monotonic() + timeout_s
             while waiting:
@@ -133,6 +142,11 @@ class EngineProcesses:
                     self.info = dict(msg.info)
             elif isinstance(msg, ProcessFailed):
                 self.failures.append(f"{msg.name}: {msg.error}")
+
+    def _release_client_listener(self) -> None:
+        if self.client_listener is not None:
+            self.client_listener.close()
+            self.client_listener = None
 
     # ------------------------------------------------------------------ watch
     def _raise_if_dead(self, error: type[RuntimeError]) -> None:
@@ -177,6 +191,7 @@ class EngineProcesses:
         if self.closed:
             return
         self.closed = True
+        self._release_client_listener()
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
         try:

@@ -135,7 +135,7 @@ class FrontendProcess:
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.from_scheduler = ipc.make_socket(self.ctx, zmq.PULL, endpoints.frontend_in, bind=True)
         self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.scheduler_in, bind=False)
-        self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True)
+        self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True, fd=endpoints.client_fd)
         self.last_seen: dict[bytes, float] = {}  # client identity -> time.monotonic() of its last message
         self.client_silence_s = envs.client_silence_s()
         self.scheduler_timeout_s = envs.scheduler_timeout_s()
