@@ -28,7 +28,8 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.limits import prompt_limit_error
-from common.proc import ExplainedError, engine_process_main, stop_signals_deferred
+from common.errors import ExplainedError
+from common.proc import engine_process_main, stop_signals_deferred
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -297,7 +298,8 @@ class FrontendProcess:
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:
-                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=str(exc)))
+                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=str(exc),
+                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0)))
                 continue
             self.requests[state.seq_id] = state
             self.by_client[(client, req.request_id)] = state.seq_id
@@ -328,7 +330,7 @@ class FrontendProcess:
         error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
                                    self.config.vocab_size)
         if error is not None:
-            raise ValueError(error)
+            raise PromptRejected(error, len(ids))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -408,6 +410,14 @@ class FrontendProcess:
             path = self.client_address[len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)
+
+
+class PromptRejected(ValueError):
+    """A tokenized prompt the engine cannot run; `num_prompt_tokens` is its length, reported to the client."""
+
+    def __init__(self, message: str, num_prompt_tokens: int) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
 
 
 class SchedulerSilent(ExplainedError):

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from deltaserve import SamplingParams
 from tests.conftest import synthetic_prompt
 
 
-@pytest.mark.xfail(strict=True, reason="frontend/process.py builds the rejection output of _submit without "
-                                       "num_prompt_tokens, though _validate has tokenized the prompt")
 def test_a_prompt_too_long_for_the_whole_cache_reports_its_real_length(tiny_qwen3: Path, engine_factory) -> None:
     small = engine_factory(tiny_qwen3, block_size=16, max_model_len=1024, num_kvcache_blocks=4)
 
