@@ -22,15 +22,9 @@ import zmq
 
 from common import envs, ipc, protocol
 from common.config import ConfigError
+from common.errors import ExplainedError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
-
-
-class ExplainedError(RuntimeError):
-    """A failure the engine anticipates (a missing device, a stuck step, a silent peer), whose message
-    says all a user needs: what went wrong and, where there is one, what to change. A process ending by
-    one logs and reports that message alone; any other exception is logged with its traceback.
-    `ConfigError` (an unusable model or setting) is taken the same way."""
 
 
 def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None = None) -> logging.Logger:

@@ -22,7 +22,8 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import ExplainedError, StepLog, engine_process_main
+from common.errors import ExplainedError
+from common.proc import StepLog, engine_process_main
 from common.protocol import (
     AbortSeqs,
     AddRequests,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -39,11 +40,16 @@ def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
         LLM(str(tiny_qwen3), device="cpu", **options)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
-def test_device_cuda_without_cuda_is_one_clear_line_not_a_traceback(tiny_qwen3: Path) -> None:
-    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cuda",
-                             "--prompt", "hi"], cwd=REPO, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize(("options", "message"), [
+    pytest.param(["--device", "cuda"], "device 'cuda' was requested but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")),
+    (["--device", "cpu", "--kv-cache-memory-gb", "100000"], "does not fit in this host's available memory"),
+])
+def test_an_anticipated_start_failure_is_one_clear_line_not_a_traceback(
+        tiny_qwen3: Path, options: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), *options, "--prompt", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr, result.stderr
-    assert ("error: worker-tp0: device 'cuda' was requested but CUDA is not available; the engine was shut down"
-            in result.stderr), result.stderr
+    assert re.search(f"error: worker-tp0: .*{re.escape(message)}", result.stderr), result.stderr
+    assert "the engine was shut down" in result.stderr, result.stderr

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common.config import ConfigError
 from workers.models.llama import head_dim_of
 
 
@@ -72,7 +73,7 @@ def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
                     raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
                 shape, expected = tuple(f.get_slice(name).get_shape()), expected_shape(name, hf_config)
                 if expected is not None and shape != expected:
-                    raise ValueError(
+                    raise ConfigError(
                         f"checkpoint tensor {name} in {os.path.basename(path)} has shape {list(shape)}, but "
                         f"{model_dir}/config.json implies {list(expected)}: its vocab_size, hidden_size, "
                         "intermediate_size or head counts do not describe these weights")
@@ -88,4 +89,4 @@ def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
                 loaded.add(target)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks weights for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise ConfigError(f"checkpoint {model_dir} lacks weights for {missing[:8]}{'...' if len(missing) > 8 else ''}")

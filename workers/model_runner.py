@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, load_hf_config
+from common.errors import ExplainedError
 from common.protocol import StepPlan
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
@@ -50,7 +51,7 @@ def resolve_device(name: str, rank: int) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' was requested but CUDA is not available")
+            raise ExplainedError("device 'cuda' was requested but CUDA is not available")
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -183,13 +184,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
             if not cfg.num_kvcache_blocks and budget < per_block:
-                raise RuntimeError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger than "
+                raise ExplainedError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger than "
                                    f"the CPU KV-cache budget of {budget / GiB:g} GiB: lower --block-size or raise "
                                    "--kv-cache-memory-gb")
             num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
             available = _host_memory_available()
             if available is not None and num_blocks * per_block > available:
-                raise RuntimeError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) does "
+                raise ExplainedError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) does "
                                    f"not fit in this host's available memory ({available / GiB:.1f} GiB): lower "
                                    "--kv-cache-memory-gb or --num-kvcache-blocks")
             return num_blocks
@@ -208,7 +209,7 @@ class ModelRunner:
                  non_torch / GiB, capacity)
         if cfg.num_kvcache_blocks:
             if cfg.num_kvcache_blocks > capacity:
-                raise RuntimeError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has room "
+                raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has room "
                                    f"for {capacity} blocks of {per_block} bytes")
             return cfg.num_kvcache_blocks
         return capacity

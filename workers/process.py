@@ -17,7 +17,8 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import ExplainedError, StepLog, engine_process_main
+from common.errors import ExplainedError
+from common.proc import StepLog, engine_process_main
 from common.protocol import (
     InitKVCache,
     KVCacheReady,
@@ -57,10 +58,7 @@ class WorkerProcess:
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
-        try:
-            device = resolve_device(config.device, rank)
-        except RuntimeError as exc:  # all it raises: the requested device is not on this host
-            raise ExplainedError(str(exc)) from None
+        device = resolve_device(config.device, rank)
         self.cpu_threads = set_cpu_threads(device.type, config.tensor_parallel_size)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
         self.step_log = StepLog(f"worker-tp{rank}")

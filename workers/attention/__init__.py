@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from common.config import ConfigError
+from common.errors import ExplainedError
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]
@@ -31,7 +33,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
         return TorchAttentionBackend()
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+            raise ExplainedError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
         from workers.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
@@ -39,4 +41,4 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
         from workers.attention import flash_backend
 
         return flash_backend.create(device, dtype, head_dim, block_size)
-    raise ValueError(f"unknown attention backend {name!r}")
+    raise ConfigError(f"unknown attention backend {name!r}")

@@ -16,6 +16,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from common.errors import ExplainedError
 from kernels import store_kvcache
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
@@ -62,7 +63,7 @@ def create(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: 
     """The FlashAttention backend for this device. Raises `RuntimeError` saying why when none can run."""
     reason = why_unusable(device, dtype, head_dim, block_size)
     if reason is not None:
-        raise RuntimeError(f"attention backend 'flash-attn' cannot run here: {reason}")
+        raise ExplainedError(f"attention backend 'flash-attn' cannot run here: {reason}")
     major, _ = torch.cuda.get_device_capability(device)
     if _fa4_available() and major >= 9 and head_dim in FA4_HEAD_DIMS:
         return FlashAttention4Backend()
