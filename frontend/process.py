@@ -27,8 +27,8 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.limits import prompt_limit_error
 from common.errors import ExplainedError
+from common.limits import prompt_limit_error
 from common.proc import engine_process_main, stop_signals_deferred
 from common.protocol import (
     Abort,

@@ -72,7 +72,8 @@ def test_the_reason_the_launcher_leaves_is_what_the_frontend_tells_on_its_sigter
 def test_a_frontend_that_stops_first_tells_its_own_reason(tmp_path: Path) -> None:
     silent = SchedulerSilent("the scheduler has sent nothing for 31 s")
     assert shutdown_reason(silent, "scheduler exited with code 1 (pid 12)") == str(silent)
-    assert shutdown_reason(KeyboardInterrupt(), "x") == "the engine is shutting down (its frontend process was interrupted)"
+    interrupted = "the engine is shutting down (its frontend process was interrupted)"
+    assert shutdown_reason(KeyboardInterrupt(), "x") == interrupted
 
 
 @pytest.mark.parametrize("left", ["nothing", "not utf-8", "a folder"])

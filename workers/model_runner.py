@@ -184,9 +184,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
             if not cfg.num_kvcache_blocks and budget < per_block:
-                raise ExplainedError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger than "
-                                   f"the CPU KV-cache budget of {budget / GiB:g} GiB: lower --block-size or raise "
-                                   "--kv-cache-memory-gb")
+                raise ExplainedError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger "
+                                     f"than the CPU KV-cache budget of {budget / GiB:g} GiB: lower --block-size or "
+                                     "raise --kv-cache-memory-gb")
             num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
             available = _host_memory_available()
             if available is not None and num_blocks * per_block > available:
