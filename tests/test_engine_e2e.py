@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -308,22 +309,32 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
 
 
-def _serve(model: Path, port: int, stderr: int = subprocess.PIPE) -> tuple[subprocess.Popen, list[int], set[Path]]:
-    """`launch.py --serve` of `model` on CPU, once it says it serves: (the launcher, its child processes,
-    the socket folders that appeared meanwhile: its own, unless another engine started at the same time)."""
-    before = set(Path(tempfile.gettempdir()).glob("deltaserve-*"))
+@pytest.fixture
+def run_root():
+    """A short private temporary folder for a served engine's socket folder (AF_UNIX paths are limited to
+    about 100 bytes), so a test sees exactly its engine's folder, not those of engines started meanwhile."""
+    root = Path(tempfile.mkdtemp(prefix="dst-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _serve(model: Path, port: int, run_root: Path,
+           stderr: int = subprocess.PIPE) -> tuple[subprocess.Popen, list[int], Path]:
+    """`launch.py --serve` of `model` on CPU, its temporary folder `run_root`, once it says it serves:
+    (the launcher, its child processes, its socket folder)."""
     server = subprocess.Popen([sys.executable, "launch.py", "--model", str(model), "--serve", "--port", str(port),
                                "--device", "cpu", "--max-model-len", "256"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=stderr, text=True)
+                              stderr=stderr, text=True, env={**os.environ, "TMPDIR": str(run_root)})
     line = server.stdout.readline()
     assert "serving" in line, line + (server.stderr.read() if server.stderr else "")
-    return server, _children(server.pid), set(Path(tempfile.gettempdir()).glob("deltaserve-*")) - before
+    (run_dir,) = run_root.glob("deltaserve-*")
+    return server, _children(server.pid), run_dir
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_signal: int) -> None:
+def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, run_root: Path, stop_signal: int) -> None:
     port = free_port()
-    server, children, run_dirs = _serve(tiny_qwen3, port)
+    server, children, run_dir = _serve(tiny_qwen3, port, run_root)
     try:
         assert len(children) == 3  # frontend, scheduler, one worker
         result = subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), "--max-tokens", "8",
@@ -346,15 +357,15 @@ def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, stop_s
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(c) for c in children), "engine processes outlived the launcher"
-    assert run_dirs and not any(Path(d).exists() for d in run_dirs), "socket folder left behind"
+    assert not run_dir.exists(), "socket folder left behind"
     with socket.socket() as s:  # the client port is free again
         s.bind(("127.0.0.1", port))
 
 
-def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Path) -> None:
+def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Path, run_root: Path) -> None:
     """Impatient users press Ctrl-C again while the engine stops: that must hurry the stop, not abandon it
     half-way with the socket folder left behind."""
-    server, children, run_dirs = _serve(tiny_qwen3, free_port())
+    server, children, run_dir = _serve(tiny_qwen3, free_port(), run_root)
     server.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 15
     while server.poll() is None and time.monotonic() < deadline:  # Ctrl-C, Ctrl-C, Ctrl-C, ...
@@ -367,7 +378,7 @@ def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Pa
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(c) for c in children), "engine processes outlived the launcher"
-    assert run_dirs and not any(d.exists() for d in run_dirs), "socket folder left behind"
+    assert not run_dir.exists(), "socket folder left behind"
 
 
 def test_client_cli_json_prints_one_object_per_prompt_failed_ones_included(llm: LLM, capsys) -> None:
@@ -557,12 +568,12 @@ def test_requests_of_a_client_that_went_away_are_aborted(tiny_qwen3: Path, engin
     assert len(llm.generate(["others are served"], GREEDY8, use_tqdm=False)[0]["token_ids"]) == 8
 
 
-def test_a_killed_launcher_takes_its_processes_and_socket_folder_with_it(tiny_qwen3: Path) -> None:
-    server, children, run_dirs = _serve(tiny_qwen3, free_port(), stderr=subprocess.DEVNULL)
+def test_a_killed_launcher_takes_its_processes_and_socket_folder_with_it(tiny_qwen3: Path, run_root: Path) -> None:
+    server, children, run_dir = _serve(tiny_qwen3, free_port(), run_root, stderr=subprocess.DEVNULL)
     server.kill()
     server.wait()
     deadline = time.monotonic() + 10
-    while (any(_alive(c) for c in children) or any(d.exists() for d in run_dirs)) and time.monotonic() < deadline:
+    while (any(_alive(c) for c in children) or run_dir.exists()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(c) for c in children)
-    assert run_dirs and not any(d.exists() for d in run_dirs)
+    assert not run_dir.exists()
