@@ -155,12 +155,14 @@ class EngineProcesses:
             return
         time.sleep(0.1)  # let a dying process's failure report arrive
         self._read_control()
-        parts = [f"{name} exited with code {code} ({_how_it_ended(self.procs[name].pid, code)})"
-                 for name, code in dead.items()]
-        # A stopped process reports nothing itself; its peers only see it fall silent. Name it first.
+        exits = {name: f"{name} exited with code {code} ({_how_it_ended(self.procs[name].pid, code)})"
+                 for name, code in dead.items()}
+        # Causes before consequences: a stopped process reports nothing itself (its peers only see it fall
+        # silent), and one killed by a signal reported nothing either (its peers lost it in a collective).
         stopped = [f"{name} (pid {p.pid}) is stopped (SIGSTOP, or a debugger)" for name, p in self.procs.items()
                    if _is_stopped(p.pid)]
-        message = "; ".join(stopped + self.failures + parts) or "an engine process failed"
+        killed = [exits.pop(name) for name, code in dead.items() if code < 0]
+        message = "; ".join(stopped + killed + self.failures + list(exits.values())) or "an engine process failed"
         try:  # the frontend tells its clients this, rather than that it got SIGTERM
             self.endpoints.write_stop_reason(message)
         except OSError as exc:

@@ -16,13 +16,18 @@ turns the peer path off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from common import envs
+from common.errors import ExplainedError
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +123,29 @@ def destroy_tensor_parallel() -> None:
     _peer_all_reduce = None
     if _world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def peer_loss_explained() -> Iterator[None]:
+    """Turn the error a torch.distributed collective raises when another rank has gone (gloo: "Connection
+    reset by peer"; NCCL: a `DistBackendError`) into an `ExplainedError` of one line, so that the survivors
+    report a consequence, not a traceback; the launcher names the rank that died. Other errors pass."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if _world_size == 1 or not _raised_by_torch_distributed(exc):
+            raise
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". This is typically")[0]  # drop gloo's source path
+        raise ExplainedError(f"a collective with the other tensor-parallel ranks failed, most likely because "
+                             f"one of them has died ({detail})") from None
+
+
+def _raised_by_torch_distributed(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    return any("/torch/distributed/" in frame.filename.replace("\\", "/")
+               for frame in traceback.extract_tb(exc.__traceback__))
 
 
 def tp_rank() -> int:

@@ -31,7 +31,7 @@ from common.protocol import (
     i32,
 )
 from workers.model_runner import ModelRunner, PendingStep, resolve_device
-from workers.parallel import destroy_tensor_parallel
+from workers.parallel import destroy_tensor_parallel, peer_loss_explained
 
 log = logging.getLogger("deltaserve.worker")
 SCHEDULER_SILENCE_S = 15.0  # a worker started by hand exits when the scheduler is silent this long
@@ -70,13 +70,18 @@ class WorkerProcess:
         if isinstance(msg, Shutdown):
             raise SystemExit(0)
         assert isinstance(msg, InitKVCache), f"expected InitKVCache, got {type(msg).__name__}"
-        r.allocate_kv_cache(msg.num_kv_blocks)
-        r.capture_cuda_graphs()
+        with peer_loss_explained():
+            r.allocate_kv_cache(msg.num_kv_blocks)
+            r.capture_cuda_graphs()
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
                                                                       "cpu_threads": self.cpu_threads}))
 
     def serve(self) -> None:
+        with peer_loss_explained():  # a rank that died: the survivors report a consequence, the launcher names it
+            self._serve_steps()
+
+    def _serve_steps(self) -> None:
         pending: PendingStep | None = None
         last_heard = time.monotonic()
         while True:
