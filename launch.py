@@ -96,9 +96,14 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(model=model, **kwargs)
 
 
+_stop_signal = signal.SIGINT  # what stopped the engine: the exit status is 128 + its number (130, 143)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     # Once: the first Ctrl-C or SIGTERM stops the engine, and a repeated one must not interrupt that
     # (during EngineProcesses.shutdown it only hurries the stop along).
+    global _stop_signal
+    _stop_signal = signal.Signals(signum)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_prompts(engine, prompts, params, chat=args.chat or demo, as_json=args.json)
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)
-        return 130
+        return 128 + _stop_signal
     except (EngineStartError, EngineDeadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -228,4 +233,8 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the engine's processes exist (reading the model, fetching the demo)
+        print("deltaserve: interrupted", file=sys.stderr)
+        sys.exit(130)

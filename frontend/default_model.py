@@ -96,4 +96,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    convert_gguf(sys.argv[1], sys.argv[2])
+    try:
+        convert_gguf(sys.argv[1], sys.argv[2])
+    except KeyboardInterrupt:  # Ctrl-C reaches this child too; the parent says it was interrupted
+        sys.exit(130)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,17 @@ def test_an_anticipated_start_failure_is_one_clear_line_not_a_traceback(
     assert "Traceback" not in result.stderr, result.stderr
     assert re.search(f"error: worker-tp0: .*{re.escape(message)}", result.stderr), result.stderr
     assert "the engine was shut down" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("delay_s", [0.5, 1.5, 3.0])
+def test_ctrl_c_while_starting_stops_without_a_traceback(tiny_qwen3: Path, delay_s: float) -> None:
+    """Ctrl-C while the launcher reads the model or the engine's processes start: exit 130, no traceback."""
+    launcher = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu",
+                                 "--prompt", "hi"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=60)
+    if launcher.returncode == 0:  # it finished first: nothing to check
+        pytest.skip(f"the run was over within {delay_s} s")
+    assert launcher.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
