@@ -10,11 +10,13 @@ raises `EngineConnectionError` instead of waiting forever.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import numbers
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -75,6 +77,11 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
 
 
 class EngineClient:
+    """A connection to a running engine. One thread at a time: ZeroMQ sockets are not thread-safe, so a
+    thread that calls it while another thread's `generate()` (or `LLM.generate`) is under way gets a
+    `RuntimeError` saying so, before it sends anything; use one client per thread. Taking turns across
+    threads, and several `generate()` iterators in one thread, are fine."""
+
     def __init__(self, address: str, liveness: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
                  dead_after_s: float = 20.0) -> None:
         """`address`: the frontend's client address (tcp://host:port or ipc://path); raises
@@ -96,6 +103,31 @@ class EngineClient:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._last_ping = 0.0
+        self._threads_lock = threading.Lock()
+        self._user_threads: dict[int, int] = {}  # thread id -> its sessions under way (`exclusive`)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold this client for the calling thread (sessions nest). Raises `RuntimeError` if another
+        thread holds it."""
+        me = threading.get_ident()
+        with self._threads_lock:
+            self._check_thread(me)
+            self._user_threads[me] = self._user_threads.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._threads_lock:
+                self._user_threads[me] -= 1
+                if not self._user_threads[me]:
+                    del self._user_threads[me]
+
+    def _check_thread(self, me: int | None = None) -> None:
+        me = threading.get_ident() if me is None else me
+        other = next((t for t in self._user_threads if t != me), None)
+        if other is not None:
+            raise RuntimeError(f"this EngineClient is in use by another thread (id {other}): ZeroMQ sockets are "
+                               "not thread-safe; make one client per thread")
 
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -105,6 +137,7 @@ class EngineClient:
         """Send `requests`. One that cannot be encoded (a token id or count past 64 bits, text with a
         lone surrogate) is not sent: it finishes at once with finish reason "error" naming the bad
         field, and `recv_outputs` delivers it like the engine's own rejections; the others are sent."""
+        self._check_thread()
         try:
             data = encode(Submit(requests))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
@@ -122,11 +155,13 @@ class EngineClient:
         self.sock.send(data, copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
+        self._check_thread()
         ipc.send(self.sock, Abort(list(request_ids)))
 
     # ------------------------------------------------------------------ receiving
     def _receive(self, timeout_s: float | None) -> bool:
         """Wait for one message and file it; False on timeout. Raises `EngineConnectionError`."""
+        self._check_thread()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last_heard = time.monotonic()
         while True:
@@ -166,6 +201,7 @@ class EngineClient:
 
     def engine_info(self, timeout_s: float = 30.0) -> EngineInfo:
         """The engine's model and limits. Raises `EngineConnectionError` if it does not answer."""
+        self._check_thread()
         self._info = None
         ipc.send(self.sock, GetEngineInfo())
         deadline = time.monotonic() + timeout_s
@@ -191,24 +227,25 @@ class EngineClient:
         rid = self.new_request_id()
         req = GenerateRequest(rid, sampling=params.to_dict(), stream=stream)
         set_prompt(req, prompt)
-        box = self._streams[rid] = deque()
-        self.submit([req])
-        finished = False
-        others: list[RequestOutput] = []  # outputs of requests no generate() owns, kept for recv_outputs()
-        try:
-            while not finished:
-                if not box:  # whoever reads first files each output under its request's iterator
-                    for out in self.recv_outputs():
-                        self._streams.get(out.request_id, others).append(out)
-                    continue
-                out = box.popleft()
-                finished = out.finished
-                yield out
-        finally:
-            del self._streams[rid]
-            self._pending.extendleft(reversed(others))
-            if not finished:
-                self.abort([rid])
+        with self.exclusive():
+            box = self._streams[rid] = deque()
+            self.submit([req])
+            finished = False
+            others: list[RequestOutput] = []  # outputs of requests no generate() owns, kept for recv_outputs()
+            try:
+                while not finished:
+                    if not box:  # whoever reads first files each output under its request's iterator
+                        for out in self.recv_outputs():
+                            self._streams.get(out.request_id, others).append(out)
+                        continue
+                    out = box.popleft()
+                    finished = out.finished
+                    yield out
+            finally:
+                del self._streams[rid]
+                self._pending.extendleft(reversed(others))
+                if not finished:
+                    self.abort([rid])
 
     def close(self) -> None:
         self.sock.close()

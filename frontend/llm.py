@@ -78,6 +78,8 @@ class LLM:
             prompts = prompts.tolist()
         elif not isinstance(prompts, (str, bytes, Sequence)) and isinstance(prompts, Iterable):
             prompts = list(prompts)  # a generator or other one-pass iterable of prompts
+        elif not isinstance(prompts, (str, bytes, Sequence)):
+            raise TypeError(f"prompts must be a text, token ids, or a list of them, got {type(prompts).__name__}")
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -105,26 +107,27 @@ class LLM:
             req.sampling = sp.to_dict()
             requests.append(req)
             index[req.request_id] = i
-        if requests:
-            self.client.submit(requests)
-        bar = tqdm(total=len(prompts), initial=len(prompts) - len(requests), desc="Generating", dynamic_ncols=True,
-                   disable=not use_tqdm)
-        done = 0
-        try:
-            while done < len(requests):
-                for out in self.client.recv_outputs():
-                    i = index.get(out.request_id)
-                    if i is None or not out.finished:
-                        continue
-                    results[i] = self._result(i, out)
-                    done += 1
-                    bar.update(1)
-        except BaseException:
-            if not self.engine.closed:
-                self.client.abort([r.request_id for r in requests if results[index[r.request_id]] is None])
-            raise
-        finally:
-            bar.close()
+        with self.client.exclusive():  # another thread's generate() now raises instead of taking our outputs
+            if requests:
+                self.client.submit(requests)
+            bar = tqdm(total=len(prompts), initial=len(prompts) - len(requests), desc="Generating",
+                       dynamic_ncols=True, disable=not use_tqdm)
+            done = 0
+            try:
+                while done < len(requests):
+                    for out in self.client.recv_outputs():
+                        i = index.get(out.request_id)
+                        if i is None or not out.finished:
+                            continue
+                        results[i] = self._result(i, out)
+                        done += 1
+                        bar.update(1)
+            except BaseException:
+                if not self.engine.closed:
+                    self.client.abort([r.request_id for r in requests if results[index[r.request_id]] is None])
+                raise
+            finally:
+                bar.close()
         return results  # type: ignore[return-value]
 
     @staticmethod

@@ -35,3 +35,48 @@ def test_the_zmq_client_names_wrong_sampling_params_and_its_own_closing(llm: LLM
     client.close()
     with pytest.raises(EngineConnectionError, match="has been closed"):
         next(client.generate("hi", GREEDY4))
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5])
+def test_prompts_that_are_not_a_prompt_or_a_list_are_named(llm: LLM, prompts: object) -> None:  # noqa: F811
+    with pytest.raises(TypeError, match=f"^prompts must be a text, token ids, or a list of them, got "
+                                        f"{type(prompts).__name__}$"):
+        llm.generate(prompts, GREEDY4, use_tqdm=False)
+
+
+def test_a_client_in_use_by_one_thread_refuses_another_at_once_and_serves_the_first(llm: LLM) -> None:  # noqa: F811
+    """ZeroMQ sockets are not thread-safe: a second thread calling a client while another thread's
+    generate() runs gets a clear error (it used to hang forever, its outputs taken by the other thread);
+    the first thread's request finishes, and taking turns across threads works."""
+    import threading
+
+    from frontend.client import EngineClient
+
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        first = client.generate("Tell me a story", long, stream=True)
+        outputs = [next(first)]  # under way in this thread
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                list(client.generate("hi", GREEDY4))
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive()
+        assert len(errors) == 1 and "in use by another thread" in str(errors[0])
+        outputs += list(first)
+        assert outputs[-1].finished and sum(len(o.token_ids) for o in outputs) == 64
+
+        turn: list[list] = []
+        t = threading.Thread(target=lambda: turn.append(list(client.generate("hi", GREEDY4, stream=False))))
+        t.start()
+        t.join(timeout=60)
+        assert turn and turn[0][-1].finished and len(turn[0][-1].token_ids) == 4
+    finally:
+        client.close()
