@@ -176,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_prompts(engine, prompts, params, chat=args.chat or demo, as_json=args.json)
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)
+        how = "Ctrl-C" if _stop_signal == signal.SIGINT else _stop_signal.name
+        try:  # what the frontend tells its clients, rather than that it got SIGTERM
+            engine.endpoints.write_stop_reason(f"the server was stopped ({how})")
+        except OSError:
+            pass
         return 128 + _stop_signal
     except (EngineStartError, EngineDeadError) as exc:
         print(f"error: {exc}", file=sys.stderr)

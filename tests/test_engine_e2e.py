@@ -362,6 +362,25 @@ def test_serve_answers_the_client_cli_and_stops_cleanly(tiny_qwen3: Path, run_ro
         s.bind(("127.0.0.1", port))
 
 
+@pytest.mark.parametrize(("stop_signal", "how"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_a_client_of_a_server_stopped_by_its_operator_is_told_so(
+        tiny_qwen3: Path, run_root: Path, stop_signal: int, how: str) -> None:
+    port = free_port()
+    server, _, _ = _serve(tiny_qwen3, port, run_root)
+    client = EngineClient(f"tcp://127.0.0.1:{port}", dead_after_s=8)
+    try:
+        outputs = client.generate("Tell me a story", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        next(outputs)  # it is running
+        server.send_signal(stop_signal)
+        out = list(outputs)[-1]
+    finally:
+        client.close()
+        code = server.wait(timeout=30)
+    assert code == 128 + stop_signal
+    assert out.finish_reason == "error"
+    assert out.error == f"the engine is shutting down: the server was stopped ({how})", out.error
+
+
 def test_repeated_ctrl_c_during_shutdown_still_removes_everything(tiny_qwen3: Path, run_root: Path) -> None:
     """Impatient users press Ctrl-C again while the engine stops: that must hurry the stop, not abandon it
     half-way with the socket folder left behind."""
