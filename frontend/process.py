@@ -196,12 +196,13 @@ class FrontendProcess:
             if self.clients in events:
                 while True:
                     try:
-                        client, raw = self.clients.recv_multipart(zmq.NOBLOCK)
+                        client, *frames = self.clients.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    except ValueError:  # not two frames: nothing to answer to
+                    if len(frames) != 1:
+                        self._reply(client, ErrorReply(f"a message is one frame, not {len(frames)}"))
                         continue
-                    self._handle_client(client, raw)
+                    self._handle_client(client, frames[0])
             if time.monotonic() > next_check:  # after reading: pings queued behind a long submission count
                 self._abort_silent_clients()
                 ipc.send(self.to_scheduler, Ping())  # the scheduler takes a silent frontend for a stopped one

@@ -265,8 +265,11 @@ def test_malformed_messages_get_an_error_reply_and_serving_continues(llm: LLM) -
             assert sock.poll(10_000), "no reply to a malformed message"
             reply = decode(sock.recv())
             assert isinstance(reply, ErrorReply), reply
-        # Frames the frontend cannot even attribute (three frames) are dropped without harm.
-        sock.send_multipart([b"a", b"b"])
+        for frames in ([b"a", b"b"], [b"a", b"b", b"c"]):  # a message is one frame
+            sock.send_multipart(frames)
+            assert sock.poll(10_000), f"no reply to a message of {len(frames)} frames"
+            reply = decode(sock.recv())
+            assert isinstance(reply, ErrorReply) and f"one frame, not {len(frames)}" in reply.error, reply
     finally:
         sock.close()
     assert len(llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["token_ids"]) == 8
