@@ -61,7 +61,9 @@ def test_an_anticipated_start_failure_is_one_clear_line_not_a_traceback(
 def test_ctrl_c_while_starting_stops_without_a_traceback(tiny_qwen3: Path, delay_s: float) -> None:
     """Ctrl-C while the launcher reads the model or the engine's processes start: exit 130, no traceback."""
     launcher = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu",
-                                 "--prompt", "hi"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--prompt", "hi"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                # as from a terminal, also when these tests run in the background (SIGINT ignored)
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay_s)
     launcher.send_signal(signal.SIGINT)
     _, stderr = launcher.communicate(timeout=60)
