@@ -79,6 +79,14 @@ class _StopDeferred:
 stop_signals_deferred = _StopDeferred()
 
 
+def signal_name(signum: int) -> str:
+    """"SIGKILL" for 9; "signal 64" for a number with no name here."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def parent_gone(parent_pid: int) -> bool:
     """Whether the launcher `parent_pid` has died. A parent killed but not yet reaped is still our
     parent (a zombie), so its /proc state is read too."""

@@ -26,6 +26,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
+from common.proc import signal_name
 from common.protocol import ProcessFailed, ProcessReady, ProtocolError, decode
 
 log = logging.getLogger("deltaserve.launcher")
@@ -220,13 +221,7 @@ class EngineProcesses:
 
 def _how_it_ended(pid: int, code: int) -> str:
     """"pid 12, killed by SIGKILL" for a process that exited with code -9, "pid 12" for code 1."""
-    if code >= 0:
-        return f"pid {pid}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    return f"pid {pid}, killed by {name}"
+    return f"pid {pid}" if code >= 0 else f"pid {pid}, killed by {signal_name(-code)}"
 
 
 def _is_stopped(pid: int) -> bool:

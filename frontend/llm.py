@@ -76,10 +76,10 @@ class LLM:
         self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
-        elif not isinstance(prompts, (str, bytes, Sequence)) and isinstance(prompts, Iterable):
-            prompts = list(prompts)  # a generator or other one-pass iterable of prompts
         elif not isinstance(prompts, (str, bytes, Sequence)):
-            raise TypeError(f"prompts must be a text, token ids, or a list of them, got {type(prompts).__name__}")
+            if not isinstance(prompts, Iterable):
+                raise TypeError(f"prompts must be a text, token ids, or a list of them, got {type(prompts).__name__}")
+            prompts = list(prompts)  # a generator or other one-pass iterable of prompts
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
 from common.limits import prompt_limit_error
-from common.proc import engine_process_main, stop_signals_deferred
+from common.proc import engine_process_main, signal_name, stop_signals_deferred
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -438,11 +437,7 @@ def shutdown_reason(exc: BaseException, launcher_reason: str | None = None) -> s
         if code is not None and code > 128 and launcher_reason:
             return f"the engine is shutting down: {launcher_reason}"
         if code is not None and code > 128:
-            try:
-                name = signal.Signals(code - 128).name
-            except ValueError:
-                name = f"signal {code - 128}"
-            return f"the engine is shutting down (its frontend process got {name})"
+            return f"the engine is shutting down (its frontend process got {signal_name(code - 128)})"
         return f"the engine is shutting down (its frontend process is exiting with code {exc.code})"
     if isinstance(exc, KeyboardInterrupt):
         return "the engine is shutting down (its frontend process was interrupted)"

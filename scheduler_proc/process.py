@@ -148,8 +148,9 @@ class SchedulerProcess:
                 frontend_last_heard = time.monotonic()
             silent = time.monotonic() - frontend_last_heard
             if frontend_timeout_s and silent > frontend_timeout_s:  # the launcher cannot see a stopped frontend
-                raise ExplainedError(f"the frontend has sent nothing for {silent:.0f} s (DELTASERVE_FRONTEND_TIMEOUT_S="
-                                   f"{frontend_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
+                raise ExplainedError(
+                    f"the frontend has sent nothing for {silent:.0f} s (DELTASERVE_FRONTEND_TIMEOUT_S="
+                    f"{frontend_timeout_s:g}): it is stopped or stuck, and the engine is shutting down")
             if self.from_workers in events:
                 for raw in ipc.recv_all(self.from_workers):
                     self._handle_worker(raw)

@@ -190,9 +190,9 @@ class ModelRunner:
             num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
             available = _host_memory_available()
             if available is not None and num_blocks * per_block > available:
-                raise ExplainedError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) does "
-                                   f"not fit in this host's available memory ({available / GiB:.1f} GiB): lower "
-                                   "--kv-cache-memory-gb or --num-kvcache-blocks")
+                raise ExplainedError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) "
+                                     f"does not fit in this host's available memory ({available / GiB:.1f} GiB): "
+                                     "lower --kv-cache-memory-gb or --num-kvcache-blocks")
             return num_blocks
         peak_activations = self._profile_peak_memory()
         torch.cuda.empty_cache()
@@ -209,8 +209,8 @@ class ModelRunner:
                  non_torch / GiB, capacity)
         if cfg.num_kvcache_blocks:
             if cfg.num_kvcache_blocks > capacity:
-                raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has room "
-                                   f"for {capacity} blocks of {per_block} bytes")
+                raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has "
+                                     f"room for {capacity} blocks of {per_block} bytes")
             return cfg.num_kvcache_blocks
         return capacity
 

@@ -58,8 +58,7 @@ class WorkerProcess:
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
-        device = resolve_device(config.device, rank)
-        self.cpu_threads = set_cpu_threads(device.type, config.tensor_parallel_size)
+        self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
         self.step_log = StepLog(f"worker-tp{rank}")
 
