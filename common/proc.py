@@ -180,6 +180,9 @@ def run_process(name: str, control_address: str, body: Callable[[], None]) -> No
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # any failure: report it, then die (the launcher stops the rest)
+        # Ending already: the launcher's SIGTERM to the survivors must not cut this report short, nor land
+        # in a destructor during the exit (Python prints that as an ignored SystemExit with a traceback).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log = logging.getLogger(f"deltaserve.{name}")
         if isinstance(exc, (ExplainedError, ConfigError)):
             text = str(exc)
