@@ -14,7 +14,7 @@ import atexit
 import logging
 import numbers
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -77,7 +77,7 @@ class LLM:
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
         elif not isinstance(prompts, (str, bytes, Sequence)):
-            if not isinstance(prompts, Iterable):
+            if not isinstance(prompts, Iterable) or isinstance(prompts, (Mapping, Set)):  # no order, or a message
                 raise TypeError(f"prompts must be a text, token ids, or a list of them, got {type(prompts).__name__}")
             prompts = list(prompts)  # a generator or other one-pass iterable of prompts
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):

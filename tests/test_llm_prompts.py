@@ -37,7 +37,7 @@ def test_the_zmq_client_names_wrong_sampling_params_and_its_own_closing(llm: LLM
         next(client.generate("hi", GREEDY4))
 
 
-@pytest.mark.parametrize("prompts", [None, 5, 2.5])
+@pytest.mark.parametrize("prompts", [None, 5, 2.5, {"role": "user", "content": "hi"}, {"a", "b"}])
 def test_prompts_that_are_not_a_prompt_or_a_list_are_named(llm: LLM, prompts: object) -> None:  # noqa: F811
     with pytest.raises(TypeError, match=f"^prompts must be a text, token ids, or a list of them, got "
                                         f"{type(prompts).__name__}$"):
