@@ -6,8 +6,8 @@ max_model_len 4096; 133,966 output tokens in all; one warm-up generate first.
 
 Prints output tokens/s, the fraction of the KV-read roofline (every decode step must read each
 running sequence's whole KV cache once: that many bytes over the GPU's copy bandwidth is the
-shortest possible time), the mean decode step time at batch 256 and the device idle time
-between steps (from the workers' step log).
+shortest possible time), the mean decode step time at batch 256, the device idle time
+between steps (from the workers' step log) and each process's CPU seconds per wall second.
 
     python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2]
 """
@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.proc_stats import EngineCPU, format_cpu  # noqa: E402
 from common.config import load_hf_config  # noqa: E402
 
 COPY_BANDWIDTH_TBS = 4.25  # measured device-to-device copy on an H200 (MISSION.md)
@@ -73,9 +74,12 @@ def main() -> None:
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     worker_log = os.path.join(step_dir, "worker-tp0.jsonl")
     skip = sum(1 for _ in open(worker_log)) if os.path.exists(worker_log) else 0
+    cpu = EngineCPU(llm)
+    cpu.start()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    cpu_used = cpu.stop()
     llm.shutdown()
     assert sum(len(o["token_ids"]) for o in outputs) == total_tokens, "every request must produce max_tokens tokens"
 
@@ -95,6 +99,7 @@ def main() -> None:
         "gpu_busy_s": sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3, "gpu_idle_between_steps_s": sum(idle) / 1e3,
         "mean_idle_between_steps_ms": statistics.mean(idle) if idle else None,
         "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size,
+        "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
     }
     print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")
     print(f"fraction of the KV-read roofline (MISSION.md: {MISSION_ROOFLINE_TOKENS_PER_S} tok/s): "
@@ -106,6 +111,7 @@ def main() -> None:
               f"({len(full_decode)} steps)")
     print(f"device busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_between_steps_s']:.3f} s "
           f"over {len(steps)} steps (mean {result['mean_idle_between_steps_ms'] or 0:.3f} ms)")
+    print(f"process CPU: {format_cpu(cpu_used, elapsed)}")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,9 @@ Loop (policy lives in `scheduler.py`, this file only moves messages):
 2. take the workers' `StepResult`s, turn them into `StepOutputs` for the frontend;
 3. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
    rank. A line of timing per step goes to the log at DEBUG level.
+Then it blocks on its sockets: once step 3 has planned all it can, nothing new can be planned
+before a message arrives, whatever the state (steps in flight, requests finishing, waiting
+requests that do not fit yet).
 Every second, busy or idle, it also pings the frontend, which takes a scheduler silent for
 DELTASERVE_SCHEDULER_TIMEOUT_S for a stopped or stuck one; the frontend pings it back the same way,
 and a frontend silent for DELTASERVE_FRONTEND_TIMEOUT_S ends the engine.
@@ -139,8 +142,11 @@ class SchedulerProcess:
             if time.monotonic() >= next_beat:  # the frontend takes a silent scheduler for a stopped one
                 ipc.send(self.to_frontend, Ping())
                 next_beat = time.monotonic() + FRONTEND_HEARTBEAT_S
-            busy = sched.can_schedule() and (sched.waiting or sched.running or sched.finished_for_workers)
-            events = dict(poller.poll(0 if busy else max(1, int((next_beat - time.monotonic()) * 1000))))
+            # Block until a message comes (or the next heartbeat is due). The planning loop below ran to
+            # its end last time round, so nothing can be planned before a request, an abort or a step
+            # result arrives: polling here without a timeout would spin a core (and take it from the
+            # workers on CPU) while steps are in flight, waiting requests do not fit or requests finish.
+            events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
             if self.from_frontend in events:
                 for raw in ipc.recv_all(self.from_frontend):
                     if self._handle_frontend(raw):
