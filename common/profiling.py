@@ -86,19 +86,20 @@ class PhaseRecorder:
         """Start phase `name` of step `step` (-1: not tied to a step), ending the open one."""
         if not self.recording:
             return
-        now = time.perf_counter_ns()
         if self._open is not None:
-            self._close(now)
-        self._open = (name, step, now)
+            self._close()
+        # Our stamps lie inside the torch range: a phase's time is its code's, not the profiler's.
         self._range = self._record_function(f"{name} [step {step}]" if step >= 0 else name)
         self._range.__enter__()
+        self._open = (name, step, time.perf_counter_ns())
 
     def end(self) -> None:
         """End the open phase, if any."""
         if self.recording and self._open is not None:
-            self._close(time.perf_counter_ns())
+            self._close()
 
-    def _close(self, now: int) -> None:
+    def _close(self) -> None:
+        now = time.perf_counter_ns()
         self._range.__exit__(None, None, None)
         name, step, start = self._open  # type: ignore[misc]
         self._open = self._range = None
@@ -122,7 +123,8 @@ class ProcessProfiler:
 
     `device`: "cpu", or "cuda:N" for a GPU worker (its trace then holds CUDA activity too). With
     profiling on, torch is imported and its profiler started once at construction: the first start
-    takes seconds (1.7 s on CPU here), which must not stall the first traced step.
+    takes seconds (1.7 s on CPU here) and the first ranges a millisecond each, which must not stall or
+    stretch the first traced step.
     """
 
     def __init__(self, name: str, profile_dir: str | None, run_id: str, device: str = "cpu") -> None:
@@ -137,7 +139,12 @@ class ProcessProfiler:
         self._profile: Any = None
         self._started: tuple[int, int] = (0, 0)  # perf_counter_ns and clock_offset_ns at start
         if self.enabled:
+            import torch.profiler
+
             self._new_profile().start()
+            for _ in range(3):  # the first ranges cost a millisecond each (their Python code warming up)
+                with torch.profiler.record_function("warm-up"):
+                    pass
             self._profile.stop()
             self._profile = None
 
