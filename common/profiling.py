@@ -8,7 +8,7 @@ sessions that start and stop them on every process at the same step.
   `torch.profiler.record_function` range named "<phase> [step N]", so that it shows in the process's
   torch trace around the ops, CUDA runtime calls and kernels it caused.
 - `ProcessProfiler`: one `torch.profiler.profile` per session (CPU activity, plus CUDA on a GPU worker).
-  When the session stops it writes `<folder>/<process>.trace.json.gz` (Kineto's Chrome trace, which
+  When the session stops it writes `<folder>/<process>.pt.trace.json.gz` (Kineto's Chrome trace, which
   Perfetto, chrome://tracing and TensorBoard open) and then `<folder>/<process>.phases.json` (the phases,
   the workers' step timings, and the clock facts `common.timeline` needs to put the trace on the shared
   clock). The phases file is written last: its presence means the process is done.
@@ -191,7 +191,7 @@ class ProcessProfiler:
         stopped = (time.perf_counter_ns(), clock_offset_ns())
         self._profile.stop()
         self.session = None
-        trace = os.path.join(msg.folder, f"{self.name}.trace.json.gz")
+        trace = os.path.join(msg.folder, f"{self.name}.pt.trace.json.gz")
         try:
             write_trace(self._profile, trace)
         except Exception as exc:  # a trace that cannot be written must not take the engine down

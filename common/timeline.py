@@ -3,7 +3,7 @@
     python -m common.timeline DIR            # (re)merge the latest session in DIR and print its summary
 
 Input, per process (`common.profiling` writes them): `<process>.phases.json` (its phases on the host's
-monotonic clock, its step timings, clock facts) and `<process>.trace.json.gz` (its torch.profiler trace).
+monotonic clock, its step timings, clock facts) and `<process>.pt.trace.json.gz` (its torch.profiler trace).
 Output, in the same folder: `timeline.json.gz` (Chrome trace JSON: open it in https://ui.perfetto.dev,
 chrome://tracing or TensorBoard), `summary.txt` (the table printed at the end of a run) and `summary.json`
 (the same figures, for tools).
@@ -320,7 +320,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"deltaserve profile, session {summary['session']}: steps {summary['first_step']}..{summary['last_step']}"
              f"{cut} in {summary['folder']}",
              f"  timeline: {os.path.join(summary['folder'], TIMELINE)} (open in https://ui.perfetto.dev or "
-             "chrome://tracing); per process: <name>.trace.json.gz, <name>.phases.json",
+             "chrome://tracing); per process: <name>.pt.trace.json.gz, <name>.phases.json",
              "",
              f"  {'process':<12} {'wall s':>9} {'busy s':>9} {'idle s':>9} {'busy':>7} {'steps':>6}"]
     for name, p in summary["processes"].items():

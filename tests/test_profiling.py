@@ -262,7 +262,7 @@ def test_a_profiled_one_shot_run_writes_every_file_and_one_timeline_of_its_steps
     assert [json.loads(line)["finish_reason"] for line in result.stdout.splitlines()] == ["length", "length"]
     assert "deltaserve profile, session 1: steps 2..7 in" in result.stderr  # the summary, beside the logs
     for name in PROCESSES:
-        with gzip.open(folder / f"{name}.trace.json.gz", "rt") as f:
+        with gzip.open(folder / f"{name}.pt.trace.json.gz", "rt") as f:
             assert json.load(f)["traceEvents"]
         assert json.loads((folder / f"{name}.phases.json").read_text())["complete"]
         assert len(list(folder.glob(f"{name}-*.prof"))) == 1  # cProfile, as before
@@ -321,7 +321,7 @@ def test_a_server_is_profiled_from_the_client_command_line(tiny_qwen3: Path, tmp
         result = client("--stop-profile")
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("deltaserve profile, session 1: steps 0..")  # the summary, once merged
-        assert {p.name for p in folder.iterdir()} >= {"timeline.json.gz", "summary.txt", "worker-tp0.trace.json.gz"}
+        assert {p.name for p in folder.iterdir()} >= {"timeline.json.gz", "summary.txt", "worker-tp0.pt.trace.json.gz"}
         assert client("--start-profile", "2").returncode == 0  # a window of its own: it ends by itself
         assert client("--max-tokens", "6", "--ignore-eos", "Hello again").returncode == 0
         deadline = time.monotonic() + 60
