@@ -169,7 +169,8 @@ class EngineProcesses:
             self.endpoints.write_stop_reason(message)
         except OSError as exc:
             log.warning("could not leave the frontend the reason of the shutdown: %s", exc)
-        self.shutdown(timeout_s=2.0)  # survivors may be stuck in a collective with the dead: do not wait long
+        # Survivors may be stuck in a collective with the dead: do not wait long, not even for their profiles.
+        self.shutdown(timeout_s=2.0, profile_grace=False)
         raise error(f"{message}; the engine was shut down")
 
     def check(self) -> None:
@@ -186,8 +187,11 @@ class EngineProcesses:
             self._raise_if_dead(EngineDeadError)
 
     # ------------------------------------------------------------------ stop
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0, profile_grace: bool = True) -> None:
         """Stop every process (SIGTERM, then SIGKILL after `timeout_s`) and remove the socket folder.
+
+        When profiling, the processes write the session they are in as they stop: `profile_grace` gives them
+        up to `PROFILE_SHUTDOWN_S` for it, and the sessions left unmerged are merged and printed here.
 
         A repeated Ctrl-C (or SIGTERM) while this runs does not interrupt it: it only hurries it
         (SIGKILL to the processes left), and the socket folder is removed in every case.
@@ -196,7 +200,7 @@ class EngineProcesses:
             return
         self.closed = True
         self._release_client_listener()
-        if self.config.profile_dir:
+        if self.config.profile_dir and profile_grace:
             timeout_s = max(timeout_s, PROFILE_SHUTDOWN_S)
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
