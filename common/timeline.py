@@ -392,6 +392,7 @@ def merge(folder: str, run: str | None = None, session: int | None = None, expec
                 "deltaserve": {"run": summary["run"], "session": summary["session"],
                                "clock": "microseconds of time.perf_counter() (CLOCK_MONOTONIC)", "alignment": clock}}
     write_atomically(os.path.join(folder, TIMELINE), gzip.compress(json.dumps(timeline).encode(), compresslevel=1))
+    del timeline, events
     write_atomically(os.path.join(folder, SUMMARY_JSON), json.dumps(summary, indent=1).encode())
     write_atomically(os.path.join(folder, SUMMARY), format_summary(summary).encode())
     return summary

@@ -64,7 +64,8 @@ class WorkerProcess:
         self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
         self.step_log = StepLog(f"worker-tp{rank}")
-        self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, str(self.runner.device))
+        device = str(resolve_device(config.device, rank))
+        self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
         self.runner.phases = self.profiling.phases
 
     def start(self) -> None:
