@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from common.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ConfigError, EngineConfig
+from common.config import ATTENTION_BACKENDS, DEFAULT_PROFILE_STEPS, DEVICES, DTYPES, ConfigError, EngineConfig
 from common.protocol import GenerateRequest
 from common.sampling_params import SamplingParams
 
@@ -69,7 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = triton on GPU (faster than FlashAttention-4 on an H200), torch on CPU")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
-    g.add_argument("--profile-dir", default=None, help="write a cProfile trace of every process here")
+    g.add_argument("--profile-dir", default=None,
+                   help="profile every process: a torch.profiler trace per process (CUDA activity on GPU workers), "
+                        "one merged timeline (DIR/timeline.json.gz), a summary (DIR/summary.txt, also printed at "
+                        "the end) and a cProfile file per process")
+    g.add_argument("--profile-steps", default=DEFAULT_PROFILE_STEPS, metavar="A:B",
+                   help="with --profile-dir: the steps traced by themselves, A..B-1 (a bounded window: a trace keeps "
+                        "every event in memory until it stops); 'none': only while a client asks "
+                        "(python -m frontend.client --start-profile / --stop-profile)")
     g.add_argument("--log-level", default="WARNING", help="DEBUG shows one timing line per step and process")
     s = p.add_argument_group("requests (one-shot mode)")
     s.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")

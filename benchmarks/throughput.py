@@ -10,6 +10,13 @@ shortest possible time), the mean decode step time at batch 256, the device idle
 between steps (from the workers' step log) and each process's CPU seconds per wall second.
 
     python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2]
+    python benchmarks/throughput.py --model DIR --profile-dir D [--profile-steps 200:240]
+
+With `--profile-dir` the run is profiled (README "Profiling"): steps 200..239 by default, 40 decode steps
+at the full batch of 256 (the warm-up and the prompts' prefill take about the first 100 step ids);
+D/summary.txt then gives the device's idle gaps between those steps from the trace beside the step log's
+figure over the same steps. A profiled run is slower while it traces: take throughput from an
+unprofiled one.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from common.config import load_hf_config  # noqa: E402
 
 COPY_BANDWIDTH_TBS = 4.25  # measured device-to-device copy on an H200 (MISSION.md)
 MISSION_ROOFLINE_TOKENS_PER_S = 36_000  # MISSION.md's KV-read bound for this workload on one H200 (Qwen3-0.6B)
+PROFILE_STEPS = "200:240"  # full-batch decode steps of the measured run (the warm-up and prefill come first)
 
 
 def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
@@ -59,6 +67,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (README: Profiling)")
+    ap.add_argument("--profile-steps", default=PROFILE_STEPS, help="with --profile-dir: the steps traced, A:B")
     args = ap.parse_args()
 
     # The per-step timing logs stay where DELTASERVE_STEP_LOG_DIR points, if set (for later analysis).
@@ -70,7 +80,8 @@ def main() -> None:
     total_tokens = sum(sp.max_tokens for sp in params)
     llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, profile_dir=args.profile_dir,
+              **({"profile_steps": args.profile_steps} if args.profile_dir else {}))
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     worker_log = os.path.join(step_dir, "worker-tp0.jsonl")
     skip = sum(1 for _ in open(worker_log)) if os.path.exists(worker_log) else 0

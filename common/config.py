@@ -22,6 +22,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Steps a profiling run traces by itself when `profile_steps` is not given: bounded, since a trace grows with
+# every step it holds (a worker's torch trace keeps each op and kernel of the window in memory until it stops).
+DEFAULT_PROFILE_STEPS = "0:100"
 
 
 class ConfigError(ValueError):
@@ -54,7 +57,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    profile_dir: str | None = None  # write a cProfile (and torch profiler) trace per process here
+    profile_dir: str | None = None  # profiling runs (common/profiling.py): every process writes its traces here
+    profile_steps: str = DEFAULT_PROFILE_STEPS  # "A:B": trace steps A..B-1 by itself; "none": only on request
     log_level: str = "WARNING"
     # Filled by `resolve()` from the checkpoint's config.json; not user settings.
     architecture: str = ""
@@ -110,6 +114,13 @@ class EngineConfig:
                 raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.profile_dir is not None:  # the processes run in the repository's folder, not the caller's
+            object.__setattr__(self, "profile_dir", os.path.abspath(os.fspath(self.profile_dir)))
+        if isinstance(self.profile_steps, (list, tuple)) and len(self.profile_steps) == 2:
+            object.__setattr__(self, "profile_steps", ":".join(str(s) for s in self.profile_steps))
+        parse_profile_steps(self.profile_steps)
+        if self.profile_steps != DEFAULT_PROFILE_STEPS and not self.profile_dir:
+            raise ConfigError("profile_steps needs profile_dir (the folder the traces are written to)")
 
     # ------------------------------------------------------------------ derived values
     def resolve(self) -> EngineConfig:
@@ -177,6 +188,23 @@ class EngineConfig:
         """User-settable field names (the derived ones are excluded)."""
         derived = {"architecture", "vocab_size", "eos_token_ids"}
         return [f.name for f in dataclasses.fields(cls) if f.name not in derived]
+
+
+def parse_profile_steps(text: object) -> tuple[int, int] | None:
+    """The step window of `profile_steps`: "A:B" -> (A, B), the steps A..B-1 like a Python slice;
+    "none" -> None (no window of its own: sessions start only when a client asks).
+
+    Raises `ConfigError` naming the setting unless 0 <= A < B."""
+    if isinstance(text, str) and text.strip().lower() == "none":
+        return None
+    first, sep, end = text.partition(":") if isinstance(text, str) else ("", "", "")
+    try:
+        window = (int(first), int(end)) if sep else None
+    except ValueError:
+        window = None
+    if window is None or not 0 <= window[0] < window[1]:
+        raise ConfigError(f"profile_steps must be 'A:B' with 0 <= A < B (the steps A..B-1) or 'none', got {text!r}")
+    return window
 
 
 def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:

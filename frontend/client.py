@@ -1,6 +1,7 @@
 """A ZeroMQ client of a running engine: an importable class and a command line.
 
     python -m frontend.client --port 8000 "What is the capital of France?"
+    python -m frontend.client --port 8000 --start-profile     # then --stop-profile (engine run with --profile-dir)
 
 The client talks to the frontend's ROUTER socket with a DEALER socket, in `common.protocol`
 messages. While it waits it pings the frontend; if nothing answers for `dead_after_s` seconds it
@@ -34,8 +35,11 @@ from common.protocol import (
     GetEngineInfo,
     Ping,
     Pong,
+    ProfileStatus,
     RequestOutput,
     RequestOutputs,
+    StartProfile,
+    StopProfile,
     Submit,
     decode,
     encode,
@@ -100,6 +104,7 @@ class EngineClient:
         self._pending: deque[RequestOutput] = deque()
         self._streams: dict[str, deque[RequestOutput]] = {}  # request id -> outputs waiting for its generate()
         self._info: EngineInfo | None = None
+        self._profile_status: ProfileStatus | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._last_ping = 0.0
@@ -179,6 +184,9 @@ class EngineClient:
                 if isinstance(msg, EngineInfo):
                     self._info = msg
                     return True
+                if isinstance(msg, ProfileStatus):
+                    self._profile_status = msg
+                    return True
                 if isinstance(msg, ErrorReply):
                     raise RuntimeError(f"the engine refused a message: {msg.error}")
                 if isinstance(msg, Pong):
@@ -209,6 +217,35 @@ class EngineClient:
             if not self._receive(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
                 raise EngineConnectionError(f"no answer from the engine at {self.address} within {timeout_s:.0f} s")
         return self._info
+
+    # ------------------------------------------------------------------ profiling
+    def start_profile(self, num_steps: int = 0, timeout_s: float = 60.0) -> ProfileStatus:
+        """Start tracing every engine process at the next step, for at most `num_steps` steps (0: as many as
+        the engine's --profile-steps window holds) or until `stop_profile()`. Returns the session's status
+        (its number, first and last step, folder). Raises `RuntimeError` with the engine's reason if it
+        refuses (profiling off, a session already running), `EngineConnectionError` if it does not answer."""
+        return self._profile_request(StartProfile(num_steps), timeout_s)
+
+    def stop_profile(self, timeout_s: float = 600.0) -> ProfileStatus:
+        """Stop the trace after the last step planned so far, and wait until the engine has written every
+        process's trace and merged them: the status then holds the folder and the summary table. Raises
+        `RuntimeError` if no session is running, `EngineConnectionError` if the engine does not answer."""
+        return self._profile_request(StopProfile(), timeout_s)
+
+    def _profile_request(self, msg: StartProfile | StopProfile, timeout_s: float) -> ProfileStatus:
+        with self.exclusive():
+            self._profile_status = None
+            ipc.send(self.sock, msg)
+            deadline = time.monotonic() + timeout_s
+            while self._profile_status is None:
+                if not self._receive(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                    raise EngineConnectionError(f"no answer to {type(msg).__name__} from the engine at {self.address} "
+                                                f"within {timeout_s:.0f} s")
+            status = self._profile_status
+            self._profile_status = None
+        if status.error is not None:
+            raise RuntimeError(status.error)
+        return status
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompt: str | list[int] | list[dict[str, str]], sampling_params: SamplingParams | None = None,
@@ -279,7 +316,7 @@ def unresolvable_host(address: str) -> tuple[str, str] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m frontend.client",
                                 description="Submit prompts to a running deltaserve engine and print the answers.")
-    p.add_argument("prompts", nargs="+", help="prompt texts")
+    p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
@@ -291,7 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt when it finishes (a failed one with its error)")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds without any answer before giving up (> 0)")
+    p.add_argument("--start-profile", nargs="?", type=int, const=0, default=None, metavar="STEPS",
+                   help="start tracing every engine process at the next step, for at most STEPS steps (default: as "
+                        "many as the engine's --profile-steps window holds); the engine needs --profile-dir")
+    p.add_argument("--stop-profile", action="store_true",
+                   help="stop the trace after the last step planned so far, wait until its files are written and "
+                        "merged, and print the summary")
     args = p.parse_args(argv)
+    profiling = args.start_profile is not None or args.stop_profile
+    if profiling and (args.prompts or (args.start_profile is not None and args.stop_profile)):
+        p.error("--start-profile and --stop-profile are used alone (no prompts, not both at once)")
+    if not profiling and not args.prompts:
+        p.error("give one or more prompts, or --start-profile / --stop-profile")
+    if args.start_profile is not None and args.start_profile < 0:
+        p.error(f"--start-profile STEPS must be >= 0, got {args.start_profile}")
     if not args.timeout > 0:  # also refuses NaN
         p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     try:
@@ -323,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     except EngineConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if profiling:
+        return profile_command(client, args.start_profile, args.json)
     stream = len(args.prompts) == 1 and not args.json
     reqs: list[GenerateRequest] = []
     for text in args.prompts:
@@ -368,6 +420,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     return status
+
+
+def profile_command(client: EngineClient, start_steps: int | None, as_json: bool) -> int:
+    """--start-profile (`start_steps` not None) or --stop-profile: ask, print the answer, close the client."""
+    try:
+        if start_steps is not None:
+            status = client.start_profile(start_steps)
+            text = (f"profiling session {status.session}: steps {status.first_step}..{status.last_step} at most "
+                    f"(stop it with --stop-profile); files go to {status.folder}")
+        else:
+            status = client.stop_profile()
+            text = status.summary or (f"profiling session {status.session} stopped after step {status.last_step}; "
+                                      f"files in {status.folder}")
+    except (RuntimeError, EngineConnectionError) as exc:  # the engine refused, or did not answer
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if as_json:
+        print(json.dumps({"session": status.session, "first_step": status.first_step, "last_step": status.last_step,
+                          "folder": status.folder, "summary": status.summary}, ensure_ascii=False))
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from common.proc import signal_name
 from common.protocol import ProcessFailed, ProcessReady, ProtocolError, decode
 
 log = logging.getLogger("deltaserve.launcher")
+PROFILE_SHUTDOWN_S = 120.0  # with profiling, the processes write their traces (and merge) as they stop
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -168,7 +169,8 @@ class EngineProcesses:
             self.endpoints.write_stop_reason(message)
         except OSError as exc:
             log.warning("could not leave the frontend the reason of the shutdown: %s", exc)
-        self.shutdown(timeout_s=2.0)  # survivors may be stuck in a collective with the dead: do not wait long
+        # Survivors may be stuck in a collective with the dead: do not wait long, not even for their profiles.
+        self.shutdown(timeout_s=2.0, profile_grace=False)
         raise error(f"{message}; the engine was shut down")
 
     def check(self) -> None:
@@ -185,8 +187,11 @@ class EngineProcesses:
             self._raise_if_dead(EngineDeadError)
 
     # ------------------------------------------------------------------ stop
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0, profile_grace: bool = True) -> None:
         """Stop every process (SIGTERM, then SIGKILL after `timeout_s`) and remove the socket folder.
+
+        When profiling, the processes write the session they are in as they stop: `profile_grace` gives them
+        up to `PROFILE_SHUTDOWN_S` for it, and the sessions left unmerged are merged and printed here.
 
         A repeated Ctrl-C (or SIGTERM) while this runs does not interrupt it: it only hurries it
         (SIGKILL to the processes left), and the socket folder is removed in every case.
@@ -195,6 +200,8 @@ class EngineProcesses:
             return
         self.closed = True
         self._release_client_listener()
+        if self.config.profile_dir and profile_grace:
+            timeout_s = max(timeout_s, PROFILE_SHUTDOWN_S)
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
         try:
@@ -210,6 +217,8 @@ class EngineProcesses:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if not hurry.is_set():
+                self._finish_profiles()
         finally:
             try:
                 if self.control is not None:
@@ -217,6 +226,20 @@ class EngineProcesses:
             finally:
                 self.endpoints.cleanup()
                 restore()
+
+
+    def _finish_profiles(self) -> None:
+        """Merge the profiling sessions the shutdown cut short, and print their summaries."""
+        if not self.config.profile_dir:
+            return
+        from common.profiling import run_id_of
+        from common.timeline import finish_run
+
+        try:
+            for table in finish_run(self.config.profile_dir, run_id_of(self.endpoints.run_dir)):
+                print(table, end="", file=sys.stderr, flush=True)
+        except Exception as exc:  # the engine has stopped either way; say why there is no timeline
+            log.error("could not merge the profile in %s: %s: %s", self.config.profile_dir, type(exc).__name__, exc)
 
 
 def _how_it_ended(pid: int, code: int) -> str:

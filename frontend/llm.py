@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
-from common.protocol import GenerateRequest, RequestOutput
+from common.protocol import GenerateRequest, ProfileStatus, RequestOutput
 from common.sampling_params import SamplingParams
 from frontend.client import EngineClient, set_prompt
 from frontend.launcher import EngineProcesses
@@ -138,6 +138,17 @@ class LLM:
         return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "error": out.error,
                 "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
                 "metrics": out.metrics}
+
+    def start_profile(self, num_steps: int = 0) -> ProfileStatus:
+        """Start tracing every engine process at the next step (vLLM's `LLM.start_profile`), for at most
+        `num_steps` steps (0: as many as `profile_steps` holds) or until `stop_profile()`. Needs `profile_dir`;
+        raises `RuntimeError` with the engine's reason if it refuses."""
+        return self.client.start_profile(num_steps)
+
+    def stop_profile(self) -> ProfileStatus:
+        """Stop the trace after the last step planned so far; returns once every process's trace is written and
+        merged into `<folder>/timeline.json.gz`, with the summary table in `.summary`."""
+        return self.client.stop_profile()
 
     def shutdown(self) -> None:
         """Stop the engine's processes (also done at exit and when the object is collected)."""

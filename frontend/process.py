@@ -29,6 +29,7 @@ from common.config import EngineConfig
 from common.errors import ExplainedError
 from common.limits import prompt_limit_error
 from common.proc import engine_process_main, signal_name, stop_signals_deferred
+from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     Abort,
     AbortSeqs,
@@ -42,10 +43,15 @@ from common.protocol import (
     Ping,
     Pong,
     ProcessReady,
+    ProfileStart,
+    ProfileStatus,
+    ProfileStop,
     ProtocolError,
     RequestOutput,
     RequestOutputs,
+    StartProfile,
     StepOutputs,
+    StopProfile,
     Submit,
     decode,
     encode,
@@ -154,6 +160,9 @@ class FrontendProcess:
         assert config.max_model_len is not None
         self.max_prompt_chars = config.max_model_len * longest_token_chars(self.tokenizer)
         self.ready_info: dict[str, Any] = {}
+        self.profiling = FrontendProfiling(config, run_id_of(endpoints.run_dir), self._reply,
+                                           lambda msg: ipc.send(self.to_scheduler, msg))
+        self.phases = self.profiling.phases
 
     def start(self) -> None:
         msg = ipc.recv(self.from_scheduler)
@@ -204,6 +213,7 @@ class FrontendProcess:
                     self._handle_client(client, frames[0])
             if time.monotonic() > next_check:  # after reading: pings queued behind a long submission count
                 self._abort_silent_clients()
+                self.profiling.poll()
                 ipc.send(self.to_scheduler, Ping())  # the scheduler takes a silent frontend for a stopped one
                 next_check = time.monotonic() + 1.0
 
@@ -282,10 +292,13 @@ class FrontendProcess:
                                            info.pop("block_size"), info.pop("vocab_size"), info))
         elif isinstance(msg, Ping):
             self._reply(client, Pong(msg.nonce))
+        elif isinstance(msg, (StartProfile, StopProfile)):
+            self.profiling.request(client, msg)
         else:
             self._reply(client, ErrorReply(f"a client cannot send {type(msg).__name__}"))
 
     def _submit(self, client: bytes, msg: Submit) -> None:
+        self.phases.begin("tokenize")
         accepted: list[EngineRequest] = []
         rejected: list[RequestOutput] = []
         beat = time.monotonic()
@@ -315,6 +328,7 @@ class FrontendProcess:
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
+        self.phases.end()
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
@@ -348,9 +362,13 @@ class FrontendProcess:
         msg = decode(raw)
         if isinstance(msg, Ping):  # the scheduler's heartbeat
             return
+        if isinstance(msg, (ProfileStart, ProfileStop, ProfileStatus)):
+            self.profiling.from_scheduler(msg)
+            return
         if not isinstance(msg, StepOutputs):
             log.error("unexpected %s from the scheduler", type(msg).__name__)
             return
+        self.phases.begin("detokenize", msg.step_id)
         now = time.time()
         touched: dict[int, RequestState] = {}
         requests = self.requests
@@ -387,8 +405,10 @@ class FrontendProcess:
             per_client[st.client].append(out)
         for st in touched.values():  # streaming requests that got tokens and go on
             per_client[st.client].append(self._output(st, now, finished=False))
+        self.phases.begin("send to clients", msg.step_id)
         for client, outputs in per_client.items():
             self._reply(client, RequestOutputs(outputs))
+        self.phases.end()
 
     def _output(self, st: RequestState, now: float, finished: bool) -> RequestOutput:
         """News of one request: the delta when streaming, the whole output when finished otherwise."""
@@ -404,6 +424,7 @@ class FrontendProcess:
         return out
 
     def close(self) -> None:
+        self.profiling.close()
         for sock in (self.control, self.from_scheduler, self.to_scheduler, self.clients):
             sock.close()
         if self.client_address.startswith("ipc://"):

@@ -27,6 +27,7 @@ from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
 from common.proc import StepLog, engine_process_main
+from common.profiling import SchedulerProfiling, run_id_of
 from common.protocol import (
     AbortSeqs,
     AddRequests,
@@ -39,9 +40,11 @@ from common.protocol import (
     ProcessReady,
     ProtocolError,
     Shutdown,
+    StartProfile,
     StepOutputs,
     StepPlan,
     StepResult,
+    StopProfile,
     WorkerReady,
     decode,
     encode,
@@ -69,6 +72,9 @@ class SchedulerProcess:
         self.step_timeout_s = envs.step_timeout_s()  # its CPU default once the workers say where they run
         self.check_invariants = envs.check_invariants()
         self.step_log = StepLog("scheduler")
+        self.profiling = SchedulerProfiling(config, run_id_of(endpoints.run_dir), self._send_workers,
+                                            lambda msg: ipc.send(self.to_frontend, msg))
+        self.phases = self.profiling.phases
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -149,8 +155,10 @@ class SchedulerProcess:
             events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
             if self.from_frontend in events:
                 for raw in ipc.recv_all(self.from_frontend):
+                    self.phases.begin("receive")
                     if self._handle_frontend(raw):
                         return
+                self.phases.end()
                 frontend_last_heard = time.monotonic()
             silent = time.monotonic() - frontend_last_heard
             if frontend_timeout_s and silent > frontend_timeout_s:  # the launcher cannot see a stopped frontend
@@ -161,9 +169,12 @@ class SchedulerProcess:
                 for raw in ipc.recv_all(self.from_workers):
                     self._handle_worker(raw)
             while sched.can_schedule():
+                self.profiling.before_step(sched.next_step_id, sched.num_unfinished > 0)
                 t0 = time.perf_counter()
+                self.phases.begin("schedule", sched.next_step_id)
                 plan = sched.schedule()
                 if plan is None:
+                    self.phases.end()
                     break
                 self._send_plan(plan, t0)
                 if self.check_invariants:
@@ -220,6 +231,8 @@ class SchedulerProcess:
             return True  # close() says goodbye to the workers
         elif isinstance(msg, Ping):  # the frontend's heartbeat
             pass
+        elif isinstance(msg, (StartProfile, StopProfile)):
+            self.profiling.request(msg, sched.next_step_id, bool(sched.in_flight))
         else:
             log.error("unexpected %s from the frontend", type(msg).__name__)
         return False
@@ -232,9 +245,12 @@ class SchedulerProcess:
             log.error("unexpected %s from a worker", type(msg).__name__)
             return
         t0 = time.perf_counter()
+        self.phases.begin("process result", msg.step_id)
         self.unfinished.pop(msg.step_id, None)
         outputs = sched.process_result(msg)
         ipc.send(self.to_frontend, outputs)
+        self.phases.end()
+        self.profiling.after_result(msg.step_id)
         if self.check_invariants:
             sched.check_invariants()
         if log.isEnabledFor(logging.DEBUG):
@@ -247,10 +263,14 @@ class SchedulerProcess:
     def _send_plan(self, plan: StepPlan, t0: float) -> None:
         sched = self.scheduler
         assert sched is not None
+        self.phases.begin("encode", plan.step_id)
         data = encode(plan)
         t1 = time.perf_counter()
+        self.phases.begin("send", plan.step_id)
         for sock in self.to_workers:
             sock.send(data, copy=False)
+        self.phases.end()
+        self.profiling.after_plan(plan.step_id)
         self.last_sent = time.monotonic()
         if plan.step_id >= 0:  # step -1 only tells workers which requests finished: nothing answers it
             self.unfinished[plan.step_id] = self.last_sent
@@ -271,7 +291,12 @@ class SchedulerProcess:
                       (t1 - t0) * 1e3, len(data), len(sched.waiting), len(sched.running),
                       sched.block_manager.num_free_blocks)
 
+    def _send_workers(self, msg: object) -> None:
+        for sock in self.to_workers:
+            ipc.send(sock, msg)
+
     def close(self) -> None:
+        self.profiling.close()
         goodbye = encode(Shutdown("scheduler stopped"))
         for sock in self.to_workers:  # best effort: lets workers started elsewhere exit at once
             sock.setsockopt(zmq.LINGER, 500)

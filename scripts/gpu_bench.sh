@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of benchmarks/RESULTS.md, in one call (a Qwen3-0.6B-shaped checkpoint is made first;
+# the reference workload also runs once profiled, into $out/profile;
 # with two GPUs also the all-reduce table and the Qwen3-8B-shaped tensor-parallel run):
 #   bash scripts/gpu_bench.sh [TOKENIZER_DIR]        (results to $OUT or ./gpu-results)
 set -uo pipefail
@@ -13,6 +14,10 @@ for backend in triton flash-attn; do
   timeout 300 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend "$backend" \
       --json "$out/throughput-$backend.json" 2>&1 | tee "$out/throughput-$backend.log"
 done
+# A profiled run of the same workload (issue 14): per-process traces, the merged timeline and the summary of
+# 40 full-batch decode steps in $out/profile (its throughput is not the benchmark's: it traces while it runs).
+timeout 400 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend triton \
+    --profile-dir "$out/profile" 2>&1 | tee "$out/throughput-profiled.log"
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

@@ -59,7 +59,8 @@ def test_check_invariants_refuses_other_words_by_name(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(("name", "value"), [("DELTASERVE_ALL_REDUCE", "bogus"),
                                              ("DELTASERVE_CLIENT_SILENCE_S", "0"),
-                                             ("DELTASERVE_CHECK_INVARIANTS", "maybe")])
+                                             ("DELTASERVE_CHECK_INVARIANTS", "maybe"),
+                                             ("DELTASERVE_PROFILE_WITH_STACK", "stacks")])
 def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      name: str, value: str) -> None:
     """DELTASERVE_ALL_REDUCE is only used by GPU tensor parallelism, but a typo is refused on CPU too."""

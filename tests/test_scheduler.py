@@ -484,7 +484,8 @@ def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeyp
     ctx = zmq.Context.instance()
     plans = ipc.make_socket(ctx, zmq.PUSH, endpoints.plans[0], bind=True)
     results = ipc.make_socket(ctx, zmq.PULL, endpoints.worker_out, bind=True)
-    config = SimpleNamespace(device="cpu", tensor_parallel_size=1)  # all the worker reads besides the stub runner
+    # All the worker reads besides the stub runner.
+    config = SimpleNamespace(device="cpu", tensor_parallel_size=1, profile_dir=None)
     worker = worker_process.WorkerProcess(config, endpoints, 0)  # type: ignore[arg-type]
     try:
         ipc.send(plans, StepPlan(step_id=0, decode_seq_ids=i32([3])))

@@ -20,6 +20,7 @@ import torch
 
 from common.config import EngineConfig, load_hf_config
 from common.errors import ExplainedError
+from common.profiling import PhaseRecorder
 from common.protocol import StepPlan
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
@@ -157,6 +158,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self._last_step_end: torch.cuda.Event | None = None
+        self.phases = PhaseRecorder()  # the worker's, while it profiles (common/profiling.py)
         log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
                  self.dtype, self.backend.name)
 
@@ -327,9 +329,12 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> PendingStep | None:
         """Apply `plan` and launch its step; None when the plan schedules nothing (deltas only)."""
         t0 = time.perf_counter()
+        self.phases.begin("apply plan", plan.step_id)
         scheduled = self.batch.apply(plan)
         if not scheduled:
+            self.phases.end()
             return None
+        self.phases.begin("prepare inputs", plan.step_id)
         inputs = self.batch.prepare(scheduled)
         t1 = time.perf_counter()
         host = self.host[self.step_parity]
@@ -341,17 +346,21 @@ class ModelRunner:
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
+        self.phases.begin("upload", plan.step_id)
         input_ids, positions, meta, dev_idx = self._upload(inputs, host, graph_bs)
+        self.phases.begin("forward" if graph_bs is None else "graph replay", plan.step_id)
         if graph_bs is not None:
             graph, out = self.graphs[graph_bs]
             graph.replay()
             hidden = out[: len(inputs.rows)]
         else:
             hidden = self.model(input_ids, positions, meta)
+        self.phases.begin("sample", plan.step_id)
         tokens_host, event = self._sample(inputs, host, hidden, dev_idx)
         if started is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
+        self.phases.end()
         t2 = time.perf_counter()
         timings = {"t_start": t0, "prepare_ms": (t1 - t0) * 1e3, "launch_ms": (t2 - t1) * 1e3,
                    "tokens": len(inputs.positions), "rows": len(inputs.rows), "decode": inputs.is_decode,

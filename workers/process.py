@@ -19,11 +19,14 @@ from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
 from common.proc import StepLog, engine_process_main
+from common.profiling import WorkerProfiling, run_id_of
 from common.protocol import (
     InitKVCache,
     KVCacheReady,
     Ping,
     ProcessReady,
+    ProfileStart,
+    ProfileStop,
     Shutdown,
     StepPlan,
     StepResult,
@@ -61,6 +64,9 @@ class WorkerProcess:
         self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
         self.runner = ModelRunner(config, rank, endpoints.dist_init)
         self.step_log = StepLog(f"worker-tp{rank}")
+        device = str(resolve_device(config.device, rank))
+        self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
+        self.runner.phases = self.profiling.phases
 
     def start(self) -> None:
         r = self.runner
@@ -99,6 +105,9 @@ class WorkerProcess:
             last_heard = time.monotonic()
             if isinstance(msg, Ping):
                 continue
+            if isinstance(msg, (ProfileStart, ProfileStop)):
+                self.profiling.control(msg, pending.step_id if pending is not None else None)
+                continue
             if isinstance(msg, Shutdown):
                 if pending is not None:
                     self._finish(pending)
@@ -110,13 +119,17 @@ class WorkerProcess:
             pending = launched
 
     def _finish(self, step: PendingStep) -> None:
+        self.profiling.phases.begin("wait", step.step_id)
         t0 = time.perf_counter()
         tokens = self.runner.finalize(step)
         t1 = time.perf_counter()
         step.timings["wait_ms"] = (t1 - t0) * 1e3
         step.timings["t_done"] = t1  # time.perf_counter() is one clock for every process of the host
+        self.profiling.phases.begin("send result", step.step_id)
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
+        self.profiling.phases.end()
+        self.profiling.step_done(step.step_id, step.timings)
         self.step_log.write({"step": step.step_id, **step.timings})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
@@ -125,6 +138,7 @@ class WorkerProcess:
         for sock in (self.control, self.plans, self.results):
             sock.close()
         self.step_log.close()
+        self.profiling.close()
         destroy_tensor_parallel()
 
 
