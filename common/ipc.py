@@ -7,6 +7,7 @@ matter: ZeroMQ queues messages until the peer appears.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -142,10 +143,9 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int =
         if fd >= 0:
             sock.setsockopt(zmq.USE_FD, fd)
         if bind:
-            if address.startswith("ipc://"):
-                path = address[len("ipc://"):]
-                if os.path.exists(path):
-                    os.unlink(path)
+            if address.startswith("ipc://"):  # a stale socket file of an earlier bind, if any, gives way
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(address[len("ipc://"):])
             sock.bind(address)
         else:
             sock.connect(address)

@@ -14,6 +14,7 @@ output naming the limit, and the others in the same message go ahead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -407,9 +408,9 @@ class FrontendProcess:
         for sock in (self.control, self.from_scheduler, self.to_scheduler, self.clients):
             sock.close()
         if self.client_address.startswith("ipc://"):
-            path = self.client_address[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)
+            # The launcher may be removing the whole run folder at this moment: a file already gone is fine.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.client_address[len("ipc://"):])
 
 
 class PromptRejected(ValueError):
