@@ -9,7 +9,6 @@ raises `EngineConnectionError` instead of waiting forever.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -42,6 +41,7 @@ from common.protocol import (
     wire_error,
 )
 from common.sampling_params import SamplingParams
+from frontend.cli import ArgumentParser, HelpFormatter
 
 
 class EngineConnectionError(RuntimeError):
@@ -277,16 +277,18 @@ def unresolvable_host(address: str) -> tuple[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m frontend.client",
-                                description="Submit prompts to a running deltaserve engine and print the answers.")
+    p = ArgumentParser(prog="python -m frontend.client", formatter_class=HelpFormatter,
+                       description="Submit prompts to a running deltaserve engine and print the answers.")
     p.add_argument("prompts", nargs="+", help="prompt texts")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="host of the engine (launch.py --serve --host)")
+    p.add_argument("--port", type=int, default=8000, help="port of the engine (launch.py --serve --port), 1..65535")
     p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed in [0, 2**63) that makes each prompt's samples reproducible (default: the engine's "
+                        "own seeded stream)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt when it finishes (a failed one with its error)")
@@ -297,13 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-    except ValueError as exc:  # the message starts with the field's name: name the option instead
-        name, _, why = str(exc).partition(" ")
-        p.error(f"--{name.replace('_', '-')} {why}")
+    except ValueError as exc:
+        p.option_error(str(exc))
     for n, text in enumerate(args.prompts, 1):
         where = undecodable_text(text)
         if where is not None:
-            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded (give prompts in UTF-8)")
+            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded: give prompts in UTF-8")
     if args.address is None and not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"

@@ -429,7 +429,7 @@ def test_client_cli_refuses_bad_arguments_by_name(argv: list[str], message: str,
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err
-    assert err.startswith("usage: python -m frontend.client "), err
+    assert err.startswith("python -m frontend.client: error: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("module", ["frontend", "scheduler_proc", "workers"])
