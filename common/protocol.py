@@ -166,6 +166,10 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     stream: bool = False  # True: an output per step; False: one output when finished
+    # For `messages` only (transformers' apply_chat_template arguments, vLLM's names and defaults):
+    add_generation_prompt: bool = True  # end the text with the opening of the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, for the model to continue it
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
 
 
 @_message

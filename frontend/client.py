@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -50,11 +50,24 @@ class EngineConnectionError(RuntimeError):
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
     """Put `prompt` into `req`: a str as `prompt`; integer token ids (a list, a tuple, a numpy array
-    or torch tensor, numpy integers) as `prompt_token_ids`; with `allow_messages`, a list of
-    {"role", "content"} dicts as `messages`.
+    or torch tensor, numpy integers) as `prompt_token_ids`; vLLM's dict prompts {"prompt": str} and
+    {"prompt_token_ids": token ids} as those; with `allow_messages`, a list of {"role", "content"}
+    dicts as `messages`.
 
     Raises `TypeError` for anything else, bytes included (they are not token ids: decode them first).
     """
+    if isinstance(prompt, Mapping):
+        keys = sorted(map(str, prompt))
+        if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+            req.prompt = prompt["prompt"]
+            return
+        if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], str):
+            set_prompt(req, prompt["prompt_token_ids"], allow_messages=False)
+            return
+        hint = ("; a chat message goes in a list of them (LLM.chat, EngineClient.generate)"
+                if "role" in prompt else "")
+        raise TypeError(f"a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': token ids}}; got one with keys "
+                        f"{keys}{hint}")
     if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # a numpy array or torch tensor of token ids
         prompt = prompt.tolist()
     if isinstance(prompt, str):
@@ -62,8 +75,8 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
     elif isinstance(prompt, (bytes, bytearray, memoryview)):
         raise TypeError(f"a prompt must be a str or a sequence of integer token ids, not {type(prompt).__name__}: "
                         f"decode it to str first")
-    elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        req.messages = prompt
+    elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        req.messages = [dict(m) for m in prompt]
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
         req.prompt_token_ids = prompt
     elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)

@@ -15,6 +15,7 @@ output naming the limit, and the others in the same message go ahead.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -84,10 +85,12 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
-    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages`, or given ids.
+    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (with the request's
+    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`), or given ids.
 
     Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
-    refuses the messages, or a text is longer than `max_chars` characters (checked before tokenizing).
+    refuses the messages (or its options contradict each other), or a text is longer than `max_chars`
+    characters (checked before tokenizing).
     """
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
@@ -101,8 +104,17 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first "
+                             "opens a new assistant turn, the second continues the last message")
+        own = sorted(set(req.chat_template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+        if own:
+            raise ValueError(f"chat_template_kwargs cannot set {own}: they are arguments of the template call, not "
+                             "template variables")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message, tokenize=False,
+                                                 **req.chat_template_kwargs)
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
             raise ValueError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from None
         special = False
