@@ -243,9 +243,12 @@ class RequestOutputs:
 
 @_message
 class ErrorReply:
-    """Frontend -> client: a message the frontend could not accept (e.g. malformed)."""
+    """Frontend -> client: a message the frontend could not accept (e.g. malformed), or submitted requests it
+    refused without running them because their ids are those of this client's live requests (which go on
+    unaffected: an output with that id would have read as the live request's)."""
 
     error: str
+    refused_request_ids: list[str] = field(default_factory=list)  # the submitted requests refused, by id
 
 
 # ============================================================================ frontend -> scheduler

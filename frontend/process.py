@@ -29,7 +29,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.limits import prompt_limit_error
+from common.limits import prompt_limit_error, token_id_range_error
 from common.proc import engine_process_main, signal_name, stop_signals_deferred
 from common.protocol import (
     Abort,
@@ -54,6 +54,7 @@ from common.protocol import (
     i32,
 )
 from common.sampling_params import SamplingParams
+from common.units import count
 from frontend.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("deltaserve.frontend")
@@ -236,7 +237,7 @@ class FrontendProcess:
         for c in gone:
             del self.last_seen[c]
         if seq_ids:
-            log.warning("%d clients went silent: aborting their %d requests", len(gone), len(seq_ids))
+            log.warning("%s went silent: aborting their %s", count(len(gone), "client"), count(len(seq_ids), "request"))
             ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
 
     def _check_scheduler(self) -> None:
@@ -268,7 +269,7 @@ class FrontendProcess:
             self.requests.clear()
             self.by_client.clear()
             if per_client:
-                log.warning("failing %d pending requests: %s", sum(map(len, per_client.values())), why)
+                log.warning("failing %s: %s", count(sum(map(len, per_client.values())), "pending request"), why)
             for client, outputs in per_client.items():
                 self._reply(client, RequestOutputs(outputs))
             self.clients.setsockopt(zmq.LINGER, 2000)  # close() must not drop these errors
@@ -301,6 +302,7 @@ class FrontendProcess:
     def _submit(self, client: bytes, msg: Submit) -> None:
         accepted: list[EngineRequest] = []
         rejected: list[RequestOutput] = []
+        taken: list[str] = []  # ids of live requests: refused apart, so that no output reads as the live one's
         beat = time.monotonic()
         for req in msg.requests:
             if time.monotonic() - beat > KEEPALIVE_S:  # a long batch: tell waiting clients this engine lives
@@ -308,6 +310,9 @@ class FrontendProcess:
                 for waiting in self.last_seen:
                     self._reply(waiting, Pong(0))
                 ipc.send(self.to_scheduler, Ping())
+            if (client, req.request_id) in self.by_client:
+                taken.append(req.request_id)
+                continue
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:
@@ -317,8 +322,9 @@ class FrontendProcess:
             self.requests[state.seq_id] = state
             self.by_client[(client, req.request_id)] = state.seq_id
             accepted.append(engine_req)
-        if rejected and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
-            why = f"not run: request {rejected[0].request_id!r} of the same all-or-nothing submission was rejected"
+        if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
+            first = rejected[0].request_id if rejected else taken[0]
+            why = f"not run: request {first!r} of the same all-or-nothing submission was rejected"
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]
@@ -328,17 +334,22 @@ class FrontendProcess:
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
+        if taken:
+            self._reply(client, ErrorReply(
+                f"refused {count(len(taken), 'submitted request')} without running: the id of each is that of a "
+                f"live request of this client, which goes on (a request id must be unique among the client's live "
+                f"requests): {taken}", refused_request_ids=taken))
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
-        if (client, req.request_id) in self.by_client:
-            raise ValueError(f"request id {req.request_id!r} is already in use by a live request")
         params = SamplingParams.from_dict(req.sampling)
         ids = encode_prompt(self.tokenizer, req, self.max_prompt_chars)  # ints: the protocol checked given ids
         try:
             arr = np.asarray(ids, dtype=np.int64)
-        except OverflowError:
-            raise ValueError("a token id does not fit in 64 bits: out of the vocabulary") from None
+        except OverflowError:  # an id past 2**63 (a numpy uint64, say): out of the vocabulary all the same
+            raise PromptRejected(token_id_range_error(min(ids), max(ids), self.config.vocab_size)
+                                 or f"prompt token ids must be in [0, 2**63); got min {min(ids)}, max {max(ids)}",
+                                 len(ids)) from None
         assert self.config.max_model_len is not None
         error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
                                    self.config.vocab_size)

@@ -35,6 +35,8 @@ def test_a_port_another_server_listens_on_is_refused_up_front(tmp_path: Path) ->
     (dict(kv_cache_memory_gb=100_000.0), r"does not fit in this host's available memory .* lower --kv-cache-memory-gb"),
     (dict(num_kvcache_blocks=10**9), r"does not fit in this host's available memory"),
     (dict(block_size=2**22, max_model_len=256), r"one KV block .* is larger than the CPU KV-cache budget of 1 GiB"),
+    (dict(kv_cache_memory_gb=1e-6), r"one KV block \(16 tokens, 8 KiB\) is larger than the CPU KV-cache budget of "
+                                    r"1.05 KiB: lower --block-size or raise --kv-cache-memory-gb"),
 ])
 def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
         tiny_qwen3: Path, options: dict, message: str) -> None:
@@ -123,3 +125,26 @@ def test_help_names_every_supported_architecture_and_what_enforce_eager_turns_of
     assert "Qwen3, Llama or Mistral" in text
     assert "--enforce-eager never use CUDA graphs nor torch.compile" in text
 
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "not safetensors"])
+def test_missing_or_corrupt_weights_are_one_line_naming_the_file(
+        tiny_qwen3: Path, tmp_path: Path, damage: str) -> None:
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_qwen3, model)
+    weights = model / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        weights.write_bytes(b"<html>404 Not Found</html>")
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(model), "--device", "cpu", "--prompt", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()  # no worker traceback, and the message said once
+    expected = (f"no \\*.safetensors file in {model}: the checkpoint's weights are missing" if damage == "missing"
+                else f"cannot read the checkpoint file {weights}: .* \\(a truncated or corrupt download\\?\\)")
+    assert re.fullmatch(f"error: worker-tp0: {expected}; the engine was shut down", line), line
