@@ -23,6 +23,7 @@ from common.sampling_params import SamplingParams
 from common.units import count
 from frontend.cli import ArgumentParser, HelpFormatter
 
+PROGRESS_REFRESH_S = 0.2  # the one-shot progress bar shows the output tokens so far this often (seconds)
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Give me a short introduction to large language models.",
@@ -250,7 +251,7 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
     bar = tqdm(total=len(prompts), desc="Generating", unit="prompt", file=sys.stderr, dynamic_ncols=True,
                disable=None if progress is None else not progress)
     num_finished = num_output_tokens = 0
-    t0 = time.perf_counter()
+    t0 = last_shown = time.perf_counter()
     try:
         client.submit(requests)
         while num_finished < len(requests):
@@ -263,9 +264,12 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
                     answer.final = out
                     num_finished += 1
                     bar.update(1)
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
             bar.set_postfix_str(f"{count(num_output_tokens, 'output token')}, "
-                                f"{num_output_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+                                f"{num_output_tokens / max(now - t0, 1e-9):.1f} tok/s", refresh=False)
+            if now - last_shown >= PROGRESS_REFRESH_S:  # tokens stream in long before the first prompt finishes
+                bar.refresh()
+                last_shown = now
     except KeyboardInterrupt:
         bar.close()
         print_answers(prompts, answers, as_json, time.perf_counter() - t0)

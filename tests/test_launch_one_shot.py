@@ -42,6 +42,15 @@ def test_json_rows_carry_ttft_and_the_decode_rate_and_progress_goes_to_stderr(
     assert "Generating" in err and "2/2" in err and "12 output tokens" in err, err
 
 
+def test_the_progress_bar_shows_output_tokens_while_no_prompt_has_finished_yet(
+        llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    run_prompts(llm.engine, ["Hello"], long, chat=False, as_json=True, progress=True)
+
+    frames = capsys.readouterr().err.split("\r")  # each redraw of the bar
+    assert any(re.search(r" 0/1 \[.*, ([1-9]\d*) output tokens?, ", f) for f in frames), frames
+
+
 def test_each_answer_shows_ttft_and_decode_rate_and_counts_read_in_the_singular(
         llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
     run_prompts(llm.engine, ["Hello"], SIX, chat=False, as_json=False, progress=False)
