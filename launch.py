@@ -14,12 +14,16 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import ATTENTION_BACKENDS, DEFAULT_PROFILE_STEPS, DEVICES, DTYPES, ConfigError, EngineConfig
-from common.protocol import GenerateRequest
+from common.protocol import GenerateRequest, RequestOutput
 from common.sampling_params import SamplingParams
+from common.units import count
+from frontend.cli import ArgumentParser, HelpFormatter
 
+PROGRESS_REFRESH_S = 0.2  # the one-shot progress bar shows the output tokens so far this often (seconds)
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Give me a short introduction to large language models.",
@@ -28,23 +32,14 @@ DEMO_PROMPTS = [
 ]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it is None or a switch's off state (those are said in the help)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         description="deltaserve: a multi-process LLM inference engine (frontend, scheduler and workers over ZeroMQ).",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("model and engine (vLLM names)")
     g.add_argument("--model", default=None,
-                   help="local Hugging Face folder of a Qwen3 or Llama checkpoint; default: the built-in "
-                        "SmolLM2-135M-Instruct demo model (downloaded and converted once)")
+                   help="local Hugging Face folder of a Qwen3, Llama or Mistral (without a sliding window) checkpoint; "
+                        "default: the built-in SmolLM2-135M-Instruct demo model (downloaded and converted once)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request, prompt + output (default: the model's max_position_embeddings)")
@@ -57,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="fixed KV-cache size in GiB (overrides --gpu-memory-utilization; CPU default 1)")
-    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs nor torch.compile")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes to capture")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and activations: auto = the checkpoint's 16-bit dtype on GPU, float32 on CPU")
@@ -121,12 +116,44 @@ def _print_worker_command(rank: int, argv: list[str]) -> None:
           f"  {shlex.join(['python', *argv[1:]])}", flush=True)
 
 
+def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one line, what the arguments alone show to be wrong, before any model is read or process
+    started: prompts that are not UTF-8 text, a port out of range, a host with no network address."""
+    from frontend.client import undecodable_text, unresolvable_host
+
+    for n, text in enumerate(args.prompt or [], 1):
+        where = undecodable_text(text)
+        if where is not None:
+            parser.error(f"--prompt {n} is not UTF-8 text: {where} cannot be decoded: give prompts in UTF-8")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    unresolved = unresolvable_host(f"tcp://{args.host}:{args.port}")  # the engine's own sockets use it too
+    if unresolved is not None:
+        parser.error(f"cannot resolve --host {unresolved[0]!r}: {unresolved[1]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    from common.ipc import AddressInUseError
     from frontend.launcher import EngineDeadError, EngineProcesses, EngineStartError
 
     demo = args.model is None and not args.prompt and not args.serve
+    if not args.serve and not args.prompt and not demo:
+        parser.error("give --prompt (one or more), or --serve")
+    if args.serve and args.prompt:
+        parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        parser.option_error(str(exc))
+    local_ranks = None
+    if args.local_ranks is not None:
+        try:
+            local_ranks = [int(r) for r in args.local_ranks.split(",") if r.strip()]
+        except ValueError:
+            parser.error(f"--local-ranks must be comma-separated integers, got {args.local_ranks!r}")
     model = args.model
     if model is None:
         from frontend.default_model import ensure_default_model
@@ -137,16 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
     try:
         config = engine_config(args, model)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    except (ConfigError, ValueError) as exc:
-        parser.error(str(exc))
-    prompts = args.prompt or (DEMO_PROMPTS if demo else [])
-    if not args.serve and not prompts:
-        parser.error("give --prompt (one or more), or --serve")
-    if args.serve and args.prompt:
-        parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
+    except ConfigError as exc:
+        parser.option_error(str(exc))
+    prompts = args.prompt or DEMO_PROMPTS
     client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
     client_listener = None
     if args.serve:  # the port is this engine's from here on: a second engine started meanwhile is refused here
@@ -154,20 +174,16 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             client_listener = hold_port(args.host, args.port)
-        except ValueError as exc:  # one line, not the usage: the arguments are fine, the port is taken
+        except AddressInUseError as exc:  # one line, not the usage: the arguments are fine, the port is taken
             parser.exit(2, f"{parser.prog}: error: {exc} (is another engine serving there? choose --port)\n")
-    local_ranks = None
-    if args.local_ranks is not None:
-        try:
-            local_ranks = [int(r) for r in args.local_ranks.split(",") if r.strip()]
-        except ValueError:
-            parser.error(f"--local-ranks must be comma-separated integers, got {args.local_ranks!r}")
+        except ValueError as exc:  # e.g. a --host that is not an address of this machine
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,
                                  client_listener=client_listener)
     except (ConfigError, ValueError, OSError) as exc:
-        parser.error(str(exc))
+        parser.option_error(str(exc))
     # Ctrl-C and SIGTERM stop the engine, also when started from a script that ignores SIGINT.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -176,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         info = engine.start()  # a capacity warning, if any, was logged by the scheduler
         if args.serve:
             print(f"deltaserve: serving {model} on {engine.endpoints.client} "
-                  f"({info['num_kv_blocks']} KV blocks of {info['block_size']} tokens); Ctrl-C to stop", flush=True)
+                  f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}); "
+                  "Ctrl-C to stop", flush=True)
             engine.wait()
             return 0
         print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({model})", file=sys.stderr)
@@ -196,51 +213,111 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
 
 
-def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: bool, as_json: bool) -> int:
+def decode_rate(num_tokens: int, ttft_s: float, e2e_s: float) -> float | None:
+    """Output tokens per second after the first token: (tokens - 1) / (time from the first token to the
+    last); None with fewer than two tokens (no decode phase to time)."""
+    if num_tokens < 2 or e2e_s <= ttft_s:
+        return None
+    return (num_tokens - 1) / (e2e_s - ttft_s)
+
+
+@dataclass
+class _Answer:
+    """One prompt's output, gathered from its streamed deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    final: RequestOutput | None = None  # its last output, once finished
+
+
+def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: bool, as_json: bool,
+                progress: bool | None = None) -> int:
+    """Run every prompt to its end, then print the answers in prompt order (`as_json`: one JSON object per
+    line on stdout); returns 1 if any prompt failed, else 0.
+
+    While they run, a progress bar on stderr counts finished prompts and the output tokens streamed so far
+    (`progress` None: only when stderr is a terminal). On `KeyboardInterrupt` (Ctrl-C, or SIGTERM through
+    `_interrupt`) it prints what every prompt has so far, the unfinished ones marked as interrupted, and
+    re-raises. Raises `EngineDeadError` if an engine process dies.
+    """
+    from tqdm.auto import tqdm
+
     from frontend.client import EngineClient
 
     client = EngineClient(engine.endpoints.client, liveness=engine.check)
     requests = []
     for text in prompts:
-        req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=False)
+        req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=True)
         if chat:
             req.messages = [{"role": "user", "content": text}]
         else:
             req.prompt = text
         requests.append(req)
     index = {r.request_id: i for i, r in enumerate(requests)}
-    results: dict[int, Any] = {}
-    t0 = time.perf_counter()
-    client.submit(requests)
-    while len(results) < len(requests):
-        for out in client.recv_outputs():
-            if out.finished:
-                results[index[out.request_id]] = out
-    elapsed = time.perf_counter() - t0
-    client.close()
+    answers = [_Answer() for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="Generating", unit="prompt", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)
+    num_finished = num_output_tokens = 0
+    t0 = last_shown = time.perf_counter()
+    try:
+        client.submit(requests)
+        while num_finished < len(requests):
+            for out in client.recv_outputs():
+                answer = answers[index[out.request_id]]
+                answer.text += out.text
+                answer.token_ids += out.token_ids
+                num_output_tokens += len(out.token_ids)
+                if out.finished:
+                    answer.final = out
+                    num_finished += 1
+                    bar.update(1)
+            now = time.perf_counter()
+            bar.set_postfix_str(f"{count(num_output_tokens, 'output token')}, "
+                                f"{num_output_tokens / max(now - t0, 1e-9):.1f} tok/s", refresh=False)
+            if now - last_shown >= PROGRESS_REFRESH_S:  # tokens stream in long before the first prompt finishes
+                bar.refresh()
+                last_shown = now
+    except KeyboardInterrupt:
+        bar.close()
+        print_answers(prompts, answers, as_json, time.perf_counter() - t0)
+        raise
+    finally:
+        bar.close()
+        client.close()
+    return print_answers(prompts, answers, as_json, time.perf_counter() - t0)
+
+
+def print_answers(prompts: list[str], answers: list[_Answer], as_json: bool, elapsed: float) -> int:
+    """Print each prompt's answer (an unfinished one as interrupted, with the text it has); returns 1 if
+    any prompt failed or was interrupted, else 0."""
     status = 0
-    total_tokens = 0
-    for i, text in enumerate(prompts):
-        out = results[i]
-        total_tokens += len(out.token_ids)
-        if out.error:
-            status = 1
+    for text, answer in zip(prompts, answers):
+        out = answer.final
+        error = out.error if out is not None else "interrupted before it finished"
+        status |= error is not None
+        metrics = dict(out.metrics) if out is not None else {}
+        n = len(answer.token_ids)
+        rate = decode_rate(n, metrics.get("ttft_s", 0.0), metrics.get("e2e_s", 0.0))
         if as_json:
-            print(json.dumps({"prompt": text, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "error": out.error,
-                              "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
-                              **out.metrics}, ensure_ascii=False))
-        elif out.error:
-            print(f"Prompt: {text}\nError: {out.error}\n")
+            print(json.dumps({"prompt": text, "text": answer.text, "token_ids": answer.token_ids,
+                              "finish_reason": out.finish_reason if out is not None else "abort", "error": error,
+                              "num_prompt_tokens": out.num_prompt_tokens if out is not None else None,
+                              "num_cached_tokens": out.num_cached_tokens if out is not None else None,
+                              **metrics, "decode_tokens_per_s": rate}, ensure_ascii=False))
+        elif out is None:
+            print(f"Prompt: {text}\nAnswer (interrupted after {count(n, 'token')}): {answer.text.strip()}\n")
+        elif error:
+            print(f"Prompt: {text}\nError: {error}\n")
         else:
-            ttft = out.metrics.get("ttft_s", 0.0) * 1e3
-            e2e = out.metrics.get("e2e_s", 0.0)
-            print(f"Prompt: {text}\nAnswer: {out.text.strip()}\n"
-                  f"  [{len(out.token_ids)} tokens, finish: {out.finish_reason}, TTFT {ttft:.0f} ms, "
-                  f"{len(out.token_ids) / max(e2e, 1e-9):.1f} tok/s]\n")
+            timing = f"TTFT {metrics.get('ttft_s', 0.0) * 1e3:.0f} ms"
+            if rate is not None:
+                timing += f", decode {rate:.1f} tok/s"
+            print(f"Prompt: {text}\nAnswer: {answer.text.strip()}\n"
+                  f"  [{count(n, 'token')}, finish: {out.finish_reason}, {timing}]\n")
     if not as_json:
-        print(f"{len(prompts)} prompts, {total_tokens} output tokens in {elapsed:.2f} s "
-              f"({total_tokens / max(elapsed, 1e-9):.1f} output tokens/s)")
+        total = sum(len(a.token_ids) for a in answers)
+        print(f"{count(len(prompts), 'prompt')}, {count(total, 'output token')} in {elapsed:.2f} s "
+              f"({total / max(elapsed, 1e-9):.1f} output tokens/s)", flush=True)
     return status
 
 

@@ -7,6 +7,8 @@ matter: ZeroMQ queues messages until the peer appears.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -117,7 +119,8 @@ def hold_port(host: str, port: int) -> socket.socket:
     Taken before the engine loads its model and kept until the frontend serves, so that a busy port is
     reported at once, and no other server (a second engine started meanwhile) can take it in between:
     that one is refused here instead. Ports in TIME_WAIT pass, as ZeroMQ reuses them too. Raises
-    `ValueError` naming the port if it cannot be listened on."""
+    `AddressInUseError` naming the port if another socket listens there, `ValueError` if it cannot be listened
+    on for another reason (a host that is not an address of this machine, say)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -125,8 +128,13 @@ def hold_port(host: str, port: int) -> socket.socket:
         s.listen(128)
     except OSError as exc:
         s.close()
-        raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+        error = AddressInUseError if exc.errno == errno.EADDRINUSE else ValueError
+        raise error(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
     return s
+
+
+class AddressInUseError(ValueError):
+    """`hold_port`: another socket listens on that address already."""
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int = -1) -> zmq.Socket:
@@ -142,10 +150,9 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int =
         if fd >= 0:
             sock.setsockopt(zmq.USE_FD, fd)
         if bind:
-            if address.startswith("ipc://"):
-                path = address[len("ipc://"):]
-                if os.path.exists(path):
-                    os.unlink(path)
+            if address.startswith("ipc://"):  # a stale socket file of an earlier bind, if any, gives way
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(address[len("ipc://"):])
             sock.bind(address)
         else:
             sock.connect(address)

@@ -169,12 +169,16 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
             if args.parent_pid is not None and parent_gone(args.parent_pid):
                 endpoints.cleanup()  # the launcher died first (e.g. SIGKILL): leave no socket folder behind
 
-    run_process(name, endpoints.control, body)
+    run_process(name, endpoints.control, body, launched=args.parent_pid is not None)
 
 
-def run_process(name: str, control_address: str, body: Callable[[], None]) -> None:
+def run_process(name: str, control_address: str, body: Callable[[], None], launched: bool = False) -> None:
     """Run a process body; on an exception, tell the launcher why before exiting with code 1: the message
-    of an `ExplainedError` or `ConfigError`, else the exception's type and message (its traceback is logged)."""
+    of an `ExplainedError` or `ConfigError`, else the exception's type and message (its traceback is logged).
+
+    `launched`: started by a launcher, which reports the failure itself (`EngineStartError`, `EngineDeadError`,
+    launch.py's error line): the message of an explained failure is then logged at DEBUG only, so that the
+    user reads it once. A process started by hand (a worker on another host) logs it as an error."""
     try:
         body()
     except (SystemExit, KeyboardInterrupt):
@@ -186,7 +190,7 @@ def run_process(name: str, control_address: str, body: Callable[[], None]) -> No
         log = logging.getLogger(f"deltaserve.{name}")
         if isinstance(exc, (ExplainedError, ConfigError)):
             text = str(exc)
-            log.error("fatal error: %s", text)
+            log.log(logging.DEBUG if launched else logging.ERROR, "fatal error: %s", text)
         else:
             text = f"{type(exc).__name__}: {exc}"
             log.error("fatal error:\n%s", traceback.format_exc())

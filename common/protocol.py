@@ -166,6 +166,10 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     stream: bool = False  # True: an output per step; False: one output when finished
+    # For `messages` only (transformers' apply_chat_template arguments, vLLM's names and defaults):
+    add_generation_prompt: bool = True  # end the text with the opening of the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, for the model to continue it
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
 
 
 @_message
@@ -239,9 +243,12 @@ class RequestOutputs:
 
 @_message
 class ErrorReply:
-    """Frontend -> client: a message the frontend could not accept (e.g. malformed)."""
+    """Frontend -> client: a message the frontend could not accept (e.g. malformed), or submitted requests it
+    refused without running them because their ids are those of this client's live requests (which go on
+    unaffected: an output with that id would have read as the live request's)."""
 
     error: str
+    refused_request_ids: list[str] = field(default_factory=list)  # the submitted requests refused, by id
 
 
 # ============================================================================ frontend -> scheduler

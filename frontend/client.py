@@ -10,7 +10,6 @@ raises `EngineConnectionError` instead of waiting forever.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -21,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -46,6 +45,7 @@ from common.protocol import (
     wire_error,
 )
 from common.sampling_params import SamplingParams
+from frontend.cli import ArgumentParser, HelpFormatter
 
 
 class EngineConnectionError(RuntimeError):
@@ -54,11 +54,24 @@ class EngineConnectionError(RuntimeError):
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
     """Put `prompt` into `req`: a str as `prompt`; integer token ids (a list, a tuple, a numpy array
-    or torch tensor, numpy integers) as `prompt_token_ids`; with `allow_messages`, a list of
-    {"role", "content"} dicts as `messages`.
+    or torch tensor, numpy integers) as `prompt_token_ids`; vLLM's dict prompts {"prompt": str} and
+    {"prompt_token_ids": token ids} as those; with `allow_messages`, a list of {"role", "content"}
+    dicts as `messages`.
 
     Raises `TypeError` for anything else, bytes included (they are not token ids: decode them first).
     """
+    if isinstance(prompt, Mapping):
+        keys = sorted(map(str, prompt))
+        if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+            req.prompt = prompt["prompt"]
+            return
+        if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], str):
+            set_prompt(req, prompt["prompt_token_ids"], allow_messages=False)
+            return
+        hint = ("; a chat message goes in a list of them (LLM.chat, EngineClient.generate)"
+                if "role" in prompt else "")
+        raise TypeError(f"a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': token ids}}; got one with keys "
+                        f"{keys}{hint}")
     if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # a numpy array or torch tensor of token ids
         prompt = prompt.tolist()
     if isinstance(prompt, str):
@@ -66,8 +79,8 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
     elif isinstance(prompt, (bytes, bytearray, memoryview)):
         raise TypeError(f"a prompt must be a str or a sequence of integer token ids, not {type(prompt).__name__}: "
                         f"decode it to str first")
-    elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        req.messages = prompt
+    elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        req.messages = [dict(m) for m in prompt]
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
         req.prompt_token_ids = prompt
     elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
@@ -314,16 +327,18 @@ def unresolvable_host(address: str) -> tuple[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m frontend.client",
-                                description="Submit prompts to a running deltaserve engine and print the answers.")
+    p = ArgumentParser(prog="python -m frontend.client", formatter_class=HelpFormatter,
+                       description="Submit prompts to a running deltaserve engine and print the answers.")
     p.add_argument("prompts", nargs="*", help="prompt texts")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="host of the engine (launch.py --serve --host)")
+    p.add_argument("--port", type=int, default=8000, help="port of the engine (launch.py --serve --port), 1..65535")
     p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed in [0, 2**63) that makes each prompt's samples reproducible (default: the engine's "
+                        "own seeded stream)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt when it finishes (a failed one with its error)")
@@ -347,13 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-    except ValueError as exc:  # the message starts with the field's name: name the option instead
-        name, _, why = str(exc).partition(" ")
-        p.error(f"--{name.replace('_', '-')} {why}")
+    except ValueError as exc:
+        p.option_error(str(exc))
     for n, text in enumerate(args.prompts, 1):
         where = undecodable_text(text)
         if where is not None:
-            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded (give prompts in UTF-8)")
+            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded: give prompts in UTF-8")
     if args.address is None and not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"

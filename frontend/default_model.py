@@ -36,7 +36,7 @@ def ensure_default_model(verbose: bool = True) -> str:
     cannot be used as a folder.
     """
     target = default_model_dir()
-    if all(os.path.isfile(os.path.join(target, f)) for f in ("model.safetensors", "config.json")):
+    if _is_complete(target):
         return target
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
@@ -51,10 +51,17 @@ def ensure_default_model(verbose: bool = True) -> str:
                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if result.returncode != 0:
             raise RuntimeError(f"converting {GGUF_NAME} failed (exit code {result.returncode})")
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.replace(out, target)  # atomic: a half-converted model is never visible
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier result, if any
+        try:
+            os.replace(out, target)  # atomic: a half-converted model is never visible
+        except OSError:
+            if not _is_complete(target):  # else another launch finished the same conversion meanwhile
+                raise
     return target
+
+
+def _is_complete(folder: str) -> bool:
+    return all(os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "config.json"))
 
 
 def _download_gguf(workdir: str) -> str:

@@ -4,6 +4,7 @@
     llm = LLM("path/to/model", max_model_len=4096)
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))
     outputs[0]["text"], outputs[0]["token_ids"]
+    llm.chat([{"role": "user", "content": "Hi"}])  # through the model's chat template
 
 `LLM` starts the same processes as `launch.py` and talks to them over the same sockets.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import numbers
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
@@ -57,47 +59,107 @@ class LLM:
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
         return self._tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer, the one the engine encodes prompts with (vLLM's `LLM.get_tokenizer`)."""
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Mapping[str, Any] | Sequence[str | Sequence[int] | Mapping[str, Any]] | Sequence[int],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Generate for every prompt (texts, or token-id lists); returns one dict per prompt, in order.
+        """Generate for every prompt; returns one dict per prompt, in order.
 
-        Each dict has `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or
-        "error"), `error` (why a request was rejected, else None), `num_prompt_tokens`,
-        `num_cached_tokens` and `metrics` (ttft_s, e2e_s). A rejected request (e.g. empty, longer
-        than max_model_len, a token id out of the vocabulary or past 64 bits, text with a lone
-        surrogate, sampling parameters out of range) fails alone; the others run. Token ids may be
-        numpy arrays. Raises `TypeError` for prompts of the wrong type (bytes included: decode them
-        to str), and `EngineDeadError` if an engine process dies or after `shutdown()`.
+        A prompt is a text, token ids (a list or a numpy array), or vLLM's dict prompts `{"prompt": text}`
+        and `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them. Each dict has `text`,
+        `token_ids` (output ids), `finish_reason` ("stop", "length" or "error"), `error` (why a request
+        was rejected, else None), `num_prompt_tokens`, `num_cached_tokens` and `metrics` (ttft_s, e2e_s).
+        A rejected request (e.g. empty, longer than max_model_len, a token id out of the vocabulary, text
+        with a lone surrogate, sampling parameters out of range) fails alone; the others run. The progress
+        bar (`use_tqdm`) shows the input and output tokens per second. Raises `TypeError` for prompts of the
+        wrong type (bytes included: decode them to str; chat messages go to `chat`), and `EngineDeadError`
+        if an engine process dies or after `shutdown()`.
         """
         self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
             prompts = prompts.tolist()
+        elif isinstance(prompts, Mapping):
+            prompts = [prompts]  # one dict prompt (`set_prompt` says what one must hold)
         elif not isinstance(prompts, (str, bytes, Sequence)):
-            if not isinstance(prompts, Iterable) or isinstance(prompts, (Mapping, Set)):  # no order, or a message
-                raise TypeError(f"prompts must be a text, token ids, or a list of them, got {type(prompts).__name__}")
+            if not isinstance(prompts, Iterable) or isinstance(prompts, Set):  # a set has no order
+                raise TypeError(f"prompts must be a text, token ids, a dict prompt, or a list of them, got "
+                                f"{type(prompts).__name__}")
             prompts = list(prompts)  # a generator or other one-pass iterable of prompts
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # type: ignore[list-item]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling parameters for {len(prompts)} prompts")
         requests = []
-        index: dict[str, int] = {}  # request id -> prompt index
-        results: list[dict[str, Any] | None] = [None] * len(prompts)
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        for i, prompt in enumerate(prompts):
             req = GenerateRequest(self.client.new_request_id(), stream=False)
             try:
                 set_prompt(req, prompt, allow_messages=False)
             except TypeError as exc:  # a programming error, not a bad request: the whole call fails
                 raise TypeError(f"prompt {i}: {exc}") from None
+            requests.append(req)
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate a reply to each conversation, rendered by the model's chat template in the engine's
+        frontend (vLLM's `LLM.chat`); returns one dict per conversation, in order, as `generate` does.
+
+        `messages`: one conversation (a list of {"role": str, "content": str} dicts) or a list of them.
+        `add_generation_prompt`: end with the opening of the assistant's turn (the default), so the model
+        answers; `continue_final_message`: leave the last message (an assistant's) open for the model to
+        continue instead; `chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False}
+        for Qwen3. A conversation the template refuses fails alone, with `error` saying why. Raises
+        `TypeError` for a conversation that is not a list of dicts, `ValueError` when both
+        `add_generation_prompt` and `continue_final_message` are set, and `EngineDeadError` as `generate`.
+        """
+        self.engine.check()
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens "
+                             "a new assistant turn, the second continues the last message (pass "
+                             "add_generation_prompt=False)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        requests = []
+        for i, conversation in enumerate(conversations):
+            if (isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence)
+                    or not conversation or not all(isinstance(m, Mapping) for m in conversation)):
+                raise TypeError(f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} "
+                                f"dicts, got {conversation!r:.80}")
+            requests.append(GenerateRequest(self.client.new_request_id(), messages=[dict(m) for m in conversation],
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template_kwargs=dict(chat_template_kwargs or {})))
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def _run(self, requests: list[GenerateRequest], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[dict[str, Any]]:
+        """Submit `requests` (prompts set, one `SamplingParams` for all or one each), wait until every one
+        finishes, and return their `_result` dicts in order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(requests)
+        if len(params) != len(requests):
+            raise ValueError(f"{len(params)} sampling parameters for {len(requests)} prompts")
+        if not all(isinstance(sp, SamplingParams) for sp in params):
+            bad = next(sp for sp in params if not isinstance(sp, SamplingParams))
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
+        index: dict[str, int] = {}  # request id -> prompt index
+        results: list[dict[str, Any] | None] = [None] * len(requests)
+        valid = []
+        for i, (req, sp) in enumerate(zip(requests, params)):
             try:
                 sp.validate()  # again: fields may have been changed since construction
             except ValueError as exc:
@@ -105,26 +167,32 @@ class LLM:
                                                            error=str(exc)))
                 continue
             req.sampling = sp.to_dict()
-            requests.append(req)
+            valid.append(req)
             index[req.request_id] = i
         with self.client.exclusive():  # another thread's generate() now raises instead of taking our outputs
-            if requests:
-                self.client.submit(requests)
-            bar = tqdm(total=len(prompts), initial=len(prompts) - len(requests), desc="Generating",
+            if valid:
+                self.client.submit(valid)
+            bar = tqdm(total=len(requests), initial=len(requests) - len(valid), desc="Generating",
                        dynamic_ncols=True, disable=not use_tqdm)
-            done = 0
+            done = num_input_tokens = num_output_tokens = 0
+            t0 = time.perf_counter()
             try:
-                while done < len(requests):
+                while done < len(valid):
                     for out in self.client.recv_outputs():
                         i = index.get(out.request_id)
                         if i is None or not out.finished:
                             continue
                         results[i] = self._result(i, out)
                         done += 1
+                        num_input_tokens += out.num_prompt_tokens
+                        num_output_tokens += len(out.token_ids)
+                        elapsed = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"input {num_input_tokens / elapsed:.1f} tok/s, "
+                                            f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
                         bar.update(1)
             except BaseException:
                 if not self.engine.closed:
-                    self.client.abort([r.request_id for r in requests if results[index[r.request_id]] is None])
+                    self.client.abort([r.request_id for r in valid if results[index[r.request_id]] is None])
                 raise
             finally:
                 bar.close()

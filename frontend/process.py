@@ -14,6 +14,8 @@ output naming the limit, and the others in the same message go ahead.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import time
@@ -27,7 +29,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.limits import prompt_limit_error
+from common.limits import prompt_limit_error, token_id_range_error
 from common.proc import engine_process_main, signal_name, stop_signals_deferred
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
@@ -58,6 +60,7 @@ from common.protocol import (
     i32,
 )
 from common.sampling_params import SamplingParams
+from common.units import count
 from frontend.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("deltaserve.frontend")
@@ -89,10 +92,12 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
-    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages`, or given ids.
+    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (with the request's
+    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`), or given ids.
 
     Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
-    refuses the messages, or a text is longer than `max_chars` characters (checked before tokenizing).
+    refuses the messages (or its options contradict each other), or a text is longer than `max_chars`
+    characters (checked before tokenizing).
     """
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
@@ -106,8 +111,17 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first "
+                             "opens a new assistant turn, the second continues the last message")
+        own = sorted(set(req.chat_template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+        if own:
+            raise ValueError(f"chat_template_kwargs cannot set {own}: they are arguments of the template call, not "
+                             "template variables")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message, tokenize=False,
+                                                 **req.chat_template_kwargs)
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
             raise ValueError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from None
         special = False
@@ -233,7 +247,7 @@ class FrontendProcess:
         for c in gone:
             del self.last_seen[c]
         if seq_ids:
-            log.warning("%d clients went silent: aborting their %d requests", len(gone), len(seq_ids))
+            log.warning("%s went silent: aborting their %s", count(len(gone), "client"), count(len(seq_ids), "request"))
             ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
 
     def _check_scheduler(self) -> None:
@@ -265,7 +279,7 @@ class FrontendProcess:
             self.requests.clear()
             self.by_client.clear()
             if per_client:
-                log.warning("failing %d pending requests: %s", sum(map(len, per_client.values())), why)
+                log.warning("failing %s: %s", count(sum(map(len, per_client.values())), "pending request"), why)
             for client, outputs in per_client.items():
                 self._reply(client, RequestOutputs(outputs))
             self.clients.setsockopt(zmq.LINGER, 2000)  # close() must not drop these errors
@@ -301,6 +315,7 @@ class FrontendProcess:
         self.phases.begin("tokenize")
         accepted: list[EngineRequest] = []
         rejected: list[RequestOutput] = []
+        taken: list[str] = []  # ids of live requests: refused apart, so that no output reads as the live one's
         beat = time.monotonic()
         for req in msg.requests:
             if time.monotonic() - beat > KEEPALIVE_S:  # a long batch: tell waiting clients this engine lives
@@ -308,6 +323,9 @@ class FrontendProcess:
                 for waiting in self.last_seen:
                     self._reply(waiting, Pong(0))
                 ipc.send(self.to_scheduler, Ping())
+            if (client, req.request_id) in self.by_client:
+                taken.append(req.request_id)
+                continue
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:
@@ -317,8 +335,9 @@ class FrontendProcess:
             self.requests[state.seq_id] = state
             self.by_client[(client, req.request_id)] = state.seq_id
             accepted.append(engine_req)
-        if rejected and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
-            why = f"not run: request {rejected[0].request_id!r} of the same all-or-nothing submission was rejected"
+        if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
+            first = rejected[0].request_id if rejected else taken[0]
+            why = f"not run: request {first!r} of the same all-or-nothing submission was rejected"
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]
@@ -328,18 +347,23 @@ class FrontendProcess:
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
+        if taken:
+            self._reply(client, ErrorReply(
+                f"refused {count(len(taken), 'submitted request')} without running: the id of each is that of a "
+                f"live request of this client, which goes on (a request id must be unique among the client's live "
+                f"requests): {taken}", refused_request_ids=taken))
         self.phases.end()
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
-        if (client, req.request_id) in self.by_client:
-            raise ValueError(f"request id {req.request_id!r} is already in use by a live request")
         params = SamplingParams.from_dict(req.sampling)
         ids = encode_prompt(self.tokenizer, req, self.max_prompt_chars)  # ints: the protocol checked given ids
         try:
             arr = np.asarray(ids, dtype=np.int64)
-        except OverflowError:
-            raise ValueError("a token id does not fit in 64 bits: out of the vocabulary") from None
+        except OverflowError:  # an id past 2**63 (a numpy uint64, say): out of the vocabulary all the same
+            raise PromptRejected(token_id_range_error(min(ids), max(ids), self.config.vocab_size)
+                                 or f"prompt token ids must be in [0, 2**63); got min {min(ids)}, max {max(ids)}",
+                                 len(ids)) from None
         assert self.config.max_model_len is not None
         error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
                                    self.config.vocab_size)
@@ -428,9 +452,9 @@ class FrontendProcess:
         for sock in (self.control, self.from_scheduler, self.to_scheduler, self.clients):
             sock.close()
         if self.client_address.startswith("ipc://"):
-            path = self.client_address[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)
+            # The launcher may be removing the whole run folder at this moment: a file already gone is fine.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.client_address[len("ipc://"):])
 
 
 class PromptRejected(ValueError):

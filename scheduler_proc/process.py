@@ -49,6 +49,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.units import count
 from scheduler_proc.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("deltaserve.scheduler")
@@ -112,7 +113,8 @@ class SchedulerProcess:
         warning = ""
         capacity = num_blocks * cfg.block_size
         if capacity < cfg.max_model_len:
-            warning = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than max_model_len "
+            warning = (f"the KV cache holds {count(capacity, 'token')} ({count(num_blocks, 'block')}), fewer than "
+                       f"max_model_len "
                        f"{cfg.max_model_len}: longer requests stop with finish reason 'length'")
             log.warning(warning)
         info = {"kv_bytes_per_block": ready[0].kv_bytes_per_block, "devices": [ready[r].device for r in sorted(ready)],

@@ -3,6 +3,7 @@ needed for any of these."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -60,3 +61,16 @@ def test_a_latin1_byte_from_the_shell_is_refused_naming_the_argument() -> None:
 
     assert result.returncode == 2
     assert b"prompt argument 1 is not UTF-8 text: byte 0xe9 at character 3" in result.stderr, result.stderr
+
+
+def test_the_client_help_gives_every_option_a_meaning_and_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:", 1)[1])  # one per option
+    help_of = {e.split()[0].rstrip(","): " ".join(e.split()) for e in entries if e.strip()}
+    for option, default in [("--host", "127.0.0.1"), ("--port", "8000"), ("--max-tokens", "64"),
+                            ("--seed", "the engine's own seeded stream"), ("--timeout", "20.0")]:
+        text = help_of[option]
+        assert f"(default: {default})" in text, text
+        assert len(text.replace(f"(default: {default})", "").split()) > 3, text  # a meaning, not just the metavar

@@ -120,7 +120,7 @@ def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
                                                                  "tool_calls": 5}]),
                                  GenerateRequest("c", prompt="hello " * 20_000),
                                  GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})])
-    assert "64 bits" in outs["a"].error
+    assert outs["a"].error == f"prompt token ids must be in [0, 151669); got min 5, max {2**63}"
     assert "chat template" in outs["b"].error
     assert "characters" in outs["c"].error
     assert outs["d"].error is None and len(outs["d"].token_ids) == 2
@@ -429,7 +429,7 @@ def test_client_cli_refuses_bad_arguments_by_name(argv: list[str], message: str,
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err
-    assert err.startswith("usage: python -m frontend.client "), err
+    assert err.startswith("python -m frontend.client: error: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("module", ["frontend", "scheduler_proc", "workers"])
@@ -583,10 +583,10 @@ def test_requests_of_a_client_that_went_away_are_aborted(tiny_qwen3: Path, engin
     sock.close()  # gone without an Abort
     deadline = time.monotonic() + 20
     err = ""
-    while "went silent: aborting their 1 requests" not in err and time.monotonic() < deadline:
+    while "1 client went silent: aborting their 1 request" not in err and time.monotonic() < deadline:
         time.sleep(0.5)
         err += capfd.readouterr().err
-    assert "went silent: aborting their 1 requests" in err
+    assert "1 client went silent: aborting their 1 request" in err
     assert len(llm.generate(["others are served"], GREEDY8, use_tqdm=False)[0]["token_ids"]) == 8
 
 

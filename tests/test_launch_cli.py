@@ -35,6 +35,8 @@ def test_a_port_another_server_listens_on_is_refused_up_front(tmp_path: Path) ->
     (dict(kv_cache_memory_gb=100_000.0), r"does not fit in this host's available memory .* lower --kv-cache-memory-gb"),
     (dict(num_kvcache_blocks=10**9), r"does not fit in this host's available memory"),
     (dict(block_size=2**22, max_model_len=256), r"one KV block .* is larger than the CPU KV-cache budget of 1 GiB"),
+    (dict(kv_cache_memory_gb=1e-6), r"one KV block \(16 tokens, 8 KiB\) is larger than the CPU KV-cache budget of "
+                                    r"1.05 KiB: lower --block-size or raise --kv-cache-memory-gb"),
 ])
 def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
         tiny_qwen3: Path, options: dict, message: str) -> None:
@@ -71,3 +73,78 @@ def test_ctrl_c_while_starting_stops_without_a_traceback(tiny_qwen3: Path, delay
         pytest.skip(f"the run was over within {delay_s} s")
     assert launcher.returncode == 130, stderr
     assert "Traceback" not in stderr, stderr
+
+
+UNRESOLVABLE = "nosuchhost.invalid"  # RFC 2606: the .invalid top-level domain never resolves
+
+
+def test_an_unresolvable_host_is_named_as_such_before_anything_starts(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m")
+    result = subprocess.run([sys.executable, "launch.py", "--model", model, "--serve", "--host", UNRESOLVABLE],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"launch.py: error: cannot resolve --host '{UNRESOLVABLE}': "), result.stderr
+    assert result.stderr.count("\n") == 1 and "--port" not in result.stderr, result.stderr
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "m")  # no weights: an engine that started would fail in its worker
+    result = subprocess.run([sys.executable, "launch.py", "--model", model, "--prompt", "fine", "--prompt", b"caf\xe9"],
+                            cwd=REPO, capture_output=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (b"launch.py: error: --prompt 2 is not UTF-8 text: byte 0xe9 at character 3 cannot be "
+                             b"decoded: give prompts in UTF-8 (see --help)\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--max-tokens", "0"], "--max-tokens must be an integer in [1, 2**63), got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
+    (["--tp", "0"], "--tp must be a positive integer, got 0"),
+    (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's max_position_embeddings 64"),
+    (["--port", "0", "--serve"], "--port must be in 1..65535, got 0"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_option_is_one_line_naming_the_option_and_pointing_to_help(
+        tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from launch import main
+
+    model = write_checkpoint(tmp_path / "m", max_position_embeddings=64)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", model, *(argv if "--serve" in argv else [*argv, "--prompt", "hi"])])
+
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f": error: {message}" in err and err.endswith(" (see --help)\n") and err.count("\n") == 1, err
+
+
+def test_help_names_every_supported_architecture_and_what_enforce_eager_turns_off() -> None:
+    from launch import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "Qwen3, Llama or Mistral" in text
+    assert "--enforce-eager never use CUDA graphs nor torch.compile" in text
+
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "not safetensors"])
+def test_missing_or_corrupt_weights_are_one_line_naming_the_file(
+        tiny_qwen3: Path, tmp_path: Path, damage: str) -> None:
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_qwen3, model)
+    weights = model / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        weights.write_bytes(b"<html>404 Not Found</html>")
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(model), "--device", "cpu", "--prompt", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()  # no worker traceback, and the message said once
+    expected = (f"no \\*.safetensors file in {model}: the checkpoint's weights are missing" if damage == "missing"
+                else f"cannot read the checkpoint file {weights}: .* \\(a truncated or corrupt download\\?\\)")
+    assert re.fullmatch(f"error: worker-tp0: {expected}; the engine was shut down", line), line

@@ -3,8 +3,11 @@ prompt of the wrong type."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from common.protocol import GenerateRequest
 from deltaserve import LLM, SamplingParams
 from tests.test_engine_e2e import llm  # noqa: F401  (the engine fixture, started once for this module)
 
@@ -37,9 +40,9 @@ def test_the_zmq_client_names_wrong_sampling_params_and_its_own_closing(llm: LLM
         next(client.generate("hi", GREEDY4))
 
 
-@pytest.mark.parametrize("prompts", [None, 5, 2.5, {"role": "user", "content": "hi"}, {"a", "b"}])
+@pytest.mark.parametrize("prompts", [None, 5, 2.5, {"a", "b"}])
 def test_prompts_that_are_not_a_prompt_or_a_list_are_named(llm: LLM, prompts: object) -> None:  # noqa: F811
-    with pytest.raises(TypeError, match=f"^prompts must be a text, token ids, or a list of them, got "
+    with pytest.raises(TypeError, match=f"^prompts must be a text, token ids, a dict prompt, or a list of them, got "
                                         f"{type(prompts).__name__}$"):
         llm.generate(prompts, GREEDY4, use_tqdm=False)
 
@@ -80,3 +83,117 @@ def test_a_client_in_use_by_one_thread_refuses_another_at_once_and_serves_the_fi
         assert turn and turn[0][-1].finished and len(turn[0][-1].token_ids) == 4
     finally:
         client.close()
+
+
+# ----------------------------------------------------------------------------- what vLLM users reach for
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def chat_template_ids(llm: LLM, messages: list[dict], **kwargs: object) -> list[int]:  # noqa: F811
+    kwargs.setdefault("add_generation_prompt", True)
+    text = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, **kwargs)
+    return llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def test_vllm_dict_prompts_run_as_the_text_or_the_token_ids_they_hold(llm: LLM) -> None:  # noqa: F811
+    plain = llm.generate(["hello", [5, 6, 7]], GREEDY4, use_tqdm=False)
+    as_dicts = llm.generate([{"prompt": "hello"}, {"prompt_token_ids": [5, 6, 7]}], GREEDY4, use_tqdm=False)
+    one = llm.generate({"prompt": "hello"}, GREEDY4, use_tqdm=False)
+    assert [o["token_ids"] for o in as_dicts] == [o["token_ids"] for o in plain] and len(plain[0]["token_ids"]) == 4
+    assert [o["token_ids"] for o in one] == [plain[0]["token_ids"]]
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ({"role": "user", "content": "hi"}, "a chat message goes in a list of them"),
+    ({"prompt": "hi", "multi_modal_data": {}}, "got one with keys ['multi_modal_data', 'prompt']"),
+    ({"prompt": [1, 2]}, "{'prompt': str}"),
+    ({"prompt_token_ids": "hi"}, "{'prompt_token_ids': token ids}"),
+])
+def test_a_dict_prompt_with_other_keys_is_refused_naming_what_one_holds(
+        llm: LLM, prompt: dict, message: str) -> None:  # noqa: F811
+    with pytest.raises(TypeError, match=r"^prompt 1: a dict prompt is ") as info:
+        llm.generate(["fine", prompt], GREEDY4, use_tqdm=False)
+    assert message in str(info.value)
+
+
+def test_get_tokenizer_encodes_a_prompt_as_the_engine_does(llm: LLM) -> None:  # noqa: F811
+    out = llm.generate(["Hello, my name is"], GREEDY4, use_tqdm=False)[0]
+    assert llm.get_tokenizer() is llm.tokenizer
+    assert out["num_prompt_tokens"] == len(llm.get_tokenizer()("Hello, my name is")["input_ids"])
+
+
+def test_chat_renders_the_conversation_with_the_chat_template(llm: LLM) -> None:  # noqa: F811
+    ids = chat_template_ids(llm, USER_HI)
+    (reply,) = llm.chat(USER_HI, GREEDY4, use_tqdm=False)
+    (same,) = llm.generate([{"prompt_token_ids": ids}], GREEDY4, use_tqdm=False)
+    assert reply["error"] is None and reply["num_prompt_tokens"] == len(ids)
+    assert reply["token_ids"] == same["token_ids"] and len(reply["token_ids"]) == 4
+
+
+def test_chat_takes_a_list_of_conversations_and_answers_each_in_order(llm: LLM) -> None:  # noqa: F811
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    replies = llm.chat([USER_HI, other, USER_HI], GREEDY4, use_tqdm=False)
+    expected = [len(chat_template_ids(llm, c)) for c in (USER_HI, other, USER_HI)]
+    assert [r["num_prompt_tokens"] for r in replies] == expected
+    alone = llm.chat(USER_HI, GREEDY4, use_tqdm=False)[0]
+    assert replies[0]["token_ids"] == replies[2]["token_ids"] == alone["token_ids"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(add_generation_prompt=False),
+    dict(add_generation_prompt=False, continue_final_message=True),
+    dict(chat_template_kwargs={"enable_thinking": False}),
+])
+def test_chat_passes_the_template_options_as_vllm_does(llm: LLM, options: dict) -> None:  # noqa: F811
+    messages = [*USER_HI, {"role": "assistant", "content": "Hel"}] if options.get("continue_final_message") else USER_HI
+    template_kwargs = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+    expected = chat_template_ids(llm, messages, **template_kwargs, **options.get("chat_template_kwargs", {}))
+    assert expected != chat_template_ids(llm, messages)  # the option changes the rendered prompt
+    (reply,) = llm.chat(messages, GREEDY4, use_tqdm=False, **options)
+    assert reply["error"] is None and reply["num_prompt_tokens"] == len(expected)
+
+
+def test_chat_refuses_contradicting_options_and_conversations_that_are_not_lists_of_dicts(
+        llm: LLM) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message cannot both be true"):
+        llm.chat(USER_HI, GREEDY4, continue_final_message=True)
+    with pytest.raises(TypeError, match="^conversation 1 must be a non-empty list of"):
+        llm.chat([USER_HI, "hi"], GREEDY4)
+    with pytest.raises(TypeError, match="^conversation 0 must be a non-empty list of"):
+        llm.chat([[]], GREEDY4)
+
+
+def test_a_chat_template_argument_passed_as_a_template_variable_fails_that_conversation_alone(
+        llm: LLM) -> None:  # noqa: F811
+    from tests.test_engine_e2e import submit_and_wait
+
+    outs = submit_and_wait(llm, [GenerateRequest("a", messages=USER_HI, chat_template_kwargs={"tokenize": True}),
+                                 GenerateRequest("b", messages=USER_HI, sampling={"max_tokens": 2,
+                                                                                  "temperature": 0.0})])
+    assert outs["a"].finish_reason == "error" and "chat_template_kwargs cannot set ['tokenize']" in outs["a"].error
+    assert outs["b"].error is None and len(outs["b"].token_ids) == 2
+
+
+def test_the_progress_bar_shows_input_and_output_tokens_per_second(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from tqdm import tqdm
+
+    import frontend.llm
+
+    postfixes: list[str] = []
+
+    class RecordingBar(tqdm):
+        def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            postfixes.append(s)
+            super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(frontend.llm, "tqdm", RecordingBar)
+    outs = llm.generate(["hello", "a longer prompt than the first one"], GREEDY4, use_tqdm=True)
+
+    assert len(postfixes) == 2
+    match = re.fullmatch(r"input (\d+\.\d) tok/s, output (\d+\.\d) tok/s", postfixes[-1])
+    assert match, postfixes
+    num_input, num_output = sum(o["num_prompt_tokens"] for o in outs), sum(len(o["token_ids"]) for o in outs)
+    input_rate, output_rate = float(match.group(1)), float(match.group(2))
+    assert input_rate > 0 and output_rate > 0
+    assert input_rate / output_rate == pytest.approx(num_input / num_output, rel=0.02)  # over the same elapsed time

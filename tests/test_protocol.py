@@ -63,7 +63,7 @@ def example_value(hint: Any, salt: int) -> Any:
     if dataclasses.is_dataclass(hint):
         return example_message(hint, salt)
     if hint is bool:
-        return True  # every bool field defaults to False
+        return True  # the opposite of a bool field's default (example_message turns a default True off)
     if hint is int:
         return 1000 * salt + 7
     if hint is float:
@@ -77,7 +77,13 @@ def example_value(hint: Any, salt: int) -> Any:
 
 def example_message(cls: type, salt: int = 1) -> Any:
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: example_value(hints[f.name], salt + i) for i, f in enumerate(dataclasses.fields(cls))})
+
+    def example(f: dataclasses.Field, i: int) -> Any:
+        if hints[f.name] is bool and f.default is True:  # a switch that is on by default: the example turns it off
+            return False
+        return example_value(hints[f.name], salt + i)
+
+    return cls(**{f.name: example(f, i) for i, f in enumerate(dataclasses.fields(cls))})
 
 
 def assert_same_message(actual: Any, expected: Any, where: str = "message") -> None:
@@ -363,12 +369,12 @@ def test_extra_trailing_fields_from_a_newer_peer_are_ignored(name: str) -> None:
 
 
 def test_extra_trailing_fields_of_a_nested_struct_are_ignored() -> None:
-    request = ["r1", "hello", None, None, {"max_tokens": 3}, True, "field-from-the-future"]
+    expected = GenerateRequest("r1", "hello", sampling={"max_tokens": 3}, stream=True)
+    request = [*wire_fields(Submit([expected]))[0][0], "field-from-the-future"]
 
     decoded = decode(pack(PROTOCOL_VERSION, "Submit", [request], True))
 
-    assert_same_message(decoded, Submit([GenerateRequest("r1", "hello", sampling={"max_tokens": 3}, stream=True)],
-                                        all_or_nothing=True))
+    assert_same_message(decoded, Submit([expected], all_or_nothing=True))
 
 
 @pytest.mark.parametrize("name", MESSAGE_NAMES)

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.config import ConfigError
@@ -47,19 +47,23 @@ def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
     """Fill every parameter of `model` from `model_dir/*.safetensors`; `hf_config` is the folder's
     config.json as `common.config.load_hf_config` read it.
 
-    Raises `FileNotFoundError` when there is no safetensors file, `KeyError` for a checkpoint
-    tensor with no matching parameter, and `ValueError` for a tensor whose shape is not the one
-    config.json implies, or when parameters stay unloaded.
+    Raises `ConfigError` (its message says all: no traceback) when there is no safetensors file, a file
+    cannot be read (truncated or corrupt), a tensor's shape is not the one config.json implies, or
+    parameters stay unloaded; `KeyError` for a checkpoint tensor with no matching parameter.
     """
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+        raise ConfigError(f"no *.safetensors file in {model_dir}: the checkpoint's weights are missing")
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            checkpoint = safe_open(path, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(path, exc) from None
+        with checkpoint as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
@@ -77,7 +81,10 @@ def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
                         f"checkpoint tensor {name} in {os.path.basename(path)} has shape {list(shape)}, but "
                         f"{model_dir}/config.json implies {list(expected)}: its vocab_size, hidden_size, "
                         "intermediate_size or head counts do not describe these weights")
-                tensor = f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except (SafetensorError, OSError) as exc:
+                    raise _unreadable(path, exc) from None
                 loader = getattr(param, "weight_loader", None)
                 with torch.no_grad():
                     if loader is None:
@@ -90,3 +97,7 @@ def load_weights(model: nn.Module, model_dir: str, hf_config: Any) -> None:
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ConfigError(f"checkpoint {model_dir} lacks weights for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+
+
+def _unreadable(path: str, exc: Exception) -> ConfigError:
+    return ConfigError(f"cannot read the checkpoint file {path}: {exc} (a truncated or corrupt download?)")

@@ -22,6 +22,7 @@ from common.config import EngineConfig, load_hf_config
 from common.errors import ExplainedError
 from common.profiling import PhaseRecorder
 from common.protocol import StepPlan
+from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.input_batch import InputBatch, ReqState, StepInputs
@@ -186,15 +187,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
             if not cfg.num_kvcache_blocks and budget < per_block:
-                raise ExplainedError(f"one KV block ({cfg.block_size} tokens, {per_block / GiB:.2f} GiB) is larger "
-                                     f"than the CPU KV-cache budget of {budget / GiB:g} GiB: lower --block-size or "
-                                     "raise --kv-cache-memory-gb")
+                raise ExplainedError(f"one KV block ({count(cfg.block_size, 'token')}, {format_bytes(per_block)}) is "
+                                     f"larger than the CPU KV-cache budget of {format_bytes(budget)}: lower "
+                                     "--block-size or raise --kv-cache-memory-gb")
             num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
             available = _host_memory_available()
             if available is not None and num_blocks * per_block > available:
-                raise ExplainedError(f"a KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) "
-                                     f"does not fit in this host's available memory ({available / GiB:.1f} GiB): "
-                                     "lower --kv-cache-memory-gb or --num-kvcache-blocks")
+                size = format_bytes(num_blocks * per_block)
+                raise ExplainedError(f"a KV cache of {count(num_blocks, 'block')} ({size}) does not fit in this "
+                                     f"host's available memory ({format_bytes(available)}): lower "
+                                     "--kv-cache-memory-gb or --num-kvcache-blocks")
             return num_blocks
         peak_activations = self._profile_peak_memory()
         torch.cuda.empty_cache()
@@ -212,7 +214,7 @@ class ModelRunner:
         if cfg.num_kvcache_blocks:
             if cfg.num_kvcache_blocks > capacity:
                 raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has "
-                                     f"room for {capacity} blocks of {per_block} bytes")
+                                     f"room for {count(capacity, 'block')} of {format_bytes(per_block)}")
             return cfg.num_kvcache_blocks
         return capacity
 
@@ -267,8 +269,8 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         size = self.kv_cache.numel() * self.kv_cache.element_size()
-        log.info("rank %d KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", self.rank, num_blocks,
-                 self.block_size, num_blocks * self.block_size, size / GiB)
+        log.info("rank %d KV cache: %s x %s = %s, %s", self.rank, count(num_blocks, "block"),
+                 count(self.block_size, "token"), count(num_blocks * self.block_size, "token"), format_bytes(size))
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_batch_sizes(self) -> list[int]:

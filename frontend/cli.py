@@ -1,0 +1,31 @@
+"""What deltaserve's two commands (`launch.py` and `python -m frontend.client`) share: help that shows each
+option's default, errors in one line, and messages that name the option a user typed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None or a switch's off state (those are said in the help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose errors are one line and a pointer to --help, exit status 2: the
+    usage block of every option printed before a one-line mistake buried the mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def option_error(self, message: str) -> NoReturn:
+        """`error` for a setting's `ValueError`, whose message starts with the setting's field name
+        ("max_tokens must be ..."): the field is named by its option instead ("--max-tokens must be ...")."""
+        field, sep, rest = message.partition(" ")
+        option = next((a.option_strings[0] for a in self._actions if a.dest == field and a.option_strings), None)
+        self.error(f"{option}{sep}{rest}" if option else message)
