@@ -78,6 +78,9 @@ class PhaseRecorder:
         self.recording = False
         self.phases: list[tuple[str, int, int, int]] = []  # (name, step or -1, start ns, end ns), in time order
         self.dropped = 0  # phases not kept past MAX_PHASES
+        # The session's last step once it is known: a worker launches step N+1 before it finishes step N,
+        # so phases of steps past the last can begin while the session still waits for its last step.
+        self.last_step: int | None = None
         self._open: tuple[str, int, int] | None = None
         self._range: Any = None  # the record_function of the open phase
         self._record_function: Any = None
@@ -88,6 +91,8 @@ class PhaseRecorder:
             return
         if self._open is not None:
             self._close()
+        if self.last_step is not None and step > self.last_step:
+            return  # a later step's work: not part of this session
         # Our stamps lie inside the torch range: a phase's time is its code's, not the profiler's.
         self._range = self._record_function(f"{name} [step {step}]" if step >= 0 else name)
         self._range.__enter__()
@@ -109,7 +114,7 @@ class PhaseRecorder:
             self.dropped += 1
 
     def start(self, record_function: Any) -> None:
-        self.phases, self.dropped, self._open = [], 0, None
+        self.phases, self.dropped, self._open, self.last_step = [], 0, None, None
         self._record_function = record_function
         self.recording = True
 
@@ -369,7 +374,7 @@ class WorkerProfiling:
         elif pending_step_id is None or pending_step_id > msg.last_step:
             self.profiler.stop(msg.last_step)
         else:
-            self.stop_after = msg.last_step
+            self.stop_after = self.phases.last_step = msg.last_step
 
     def step_done(self, step_id: int, timings: dict[str, Any]) -> None:
         """A step's tokens are on the host and sent: keep its timings; stop if it was the session's last."""

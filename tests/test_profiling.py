@@ -141,6 +141,19 @@ def test_a_worker_stops_only_once_the_last_step_is_finished(profiled_config: Eng
     assert not prof.profiler.recording
 
 
+def test_a_worker_keeps_no_phase_of_a_step_launched_past_the_sessions_last(profiled_config: EngineConfig) -> None:
+    prof = WorkerProfiling(profiled_config, "run", 0, "cpu")
+    prof.control(ProfileStart(1, 2, 3, profiled_config.profile_dir), pending_step_id=1)
+    for step in (2, 3):
+        prof.phases.begin("forward", step)
+    prof.control(ProfileStop(1, 3), pending_step_id=3)  # step 3 is launched, its tokens are not back yet
+    prof.phases.begin("forward", 4)  # the next plan is launched before step 3 is finished
+    prof.phases.begin("wait", 3)
+    prof.step_done(3, {})
+    record = json.loads(Path(profiled_config.profile_dir, "worker-tp0.phases.json").read_text())
+    assert [(name, step) for name, step, _, _ in record["phases"]] == [("forward", 2), ("forward", 3), ("wait", 3)]
+
+
 def test_a_frontend_without_profile_dir_refuses_at_once(tmp_path: Path) -> None:
     sent = Sent()
     prof = FrontendProfiling(EngineConfig(write_checkpoint(tmp_path / "m")), "run",
