@@ -48,7 +48,10 @@ def tcp_engine(tiny_qwen3: Path):
     engine = EngineProcesses(config, transport="tcp")
     engine.start()
     yield engine
-    engine.shutdown()
+    t0 = time.monotonic()
+    engine.shutdown()  # the ZAP threads do not hold a process up
+    assert time.monotonic() - t0 < 8
+    assert all(p.returncode != -9 for p in engine.procs.values()), {n: p.returncode for n, p in engine.procs.items()}
 
 
 def internal_addresses(e: ipc.Endpoints) -> list[str]:
@@ -236,3 +239,30 @@ def test_a_client_port_served_with_a_key_answers_only_clients_that_have_it(tiny_
         engine.check()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--serve", "--client-key", "/nonexistent/server.key_secret"], "cannot read the CURVE key file"),
+    (["--prompt", "hi", "--client-key", "k.key_secret"], "--client-key is for --serve"),
+    (["--serve", "--client-allowed-keys", "clients"], "--client-allowed-keys needs --client-key"),
+])
+def test_client_key_options_that_cannot_be_used_are_refused_by_name(tiny_qwen3: Path, argv: list[str],
+                                                                     message: str, capsys) -> None:
+    import launch
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--model", str(tiny_qwen3), "--port", str(ipc.free_port()), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_public_key_file_is_refused_where_a_secret_one_is_needed(tmp_path: Path, capsys) -> None:
+    import zmq.auth
+
+    from frontend.client import main
+
+    public, _ = zmq.auth.create_certificates(tmp_path, "alice")
+    with pytest.raises(ValueError, match="has no secret key"):
+        curve.load_key_file(public, secret=True)
+    with pytest.raises(SystemExit):
+        main(["--server-key", public, "--client-key", public, "hi"])
+    assert "has no secret key (give the .key_secret file)" in capsys.readouterr().err
