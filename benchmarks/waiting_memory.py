@@ -1,7 +1,8 @@
 """Memory of waiting requests: bytes the frontend and the scheduler hold per request that waits to start,
 by prompt length, and what `--max-waiting-requests` keeps flat.
 
-One request runs (`max_num_seqs` 1, generating until stopped), so every request submitted after it waits.
+One request runs (`max_num_seqs` 1) and its worker is then stopped (SIGSTOP), so every request submitted after
+it waits for good.
 For each prompt length the script submits `--requests` of them and reads the growth of the two processes'
 resident memory (VmRSS); then, with `max_waiting_requests` set to that count, it submits twice as many and
 checks that the memory grows no more than for the first batch (the rest are refused at once).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -61,7 +63,8 @@ def measure(model: str, prompt_tokens: int, count: int, cap: int | None) -> tupl
     client = EngineClient(engine.endpoints.client, liveness=engine.check, curve=engine.client_keys())
     try:
         runner = client.generate([1000, 1001], SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True))
-        next(runner)  # the one running request: every later one waits
+        next(runner)  # the one running request: every later one waits, as long as it runs,
+        os.kill(engine.procs["worker-tp0"].pid, signal.SIGSTOP)  # which is for ever (the watchdog is off)
         pids = {name: engine.procs[name].pid for name in ("frontend", "scheduler")}
         before = settled_rss(pids)
         rng = np.random.default_rng(0)
@@ -70,11 +73,9 @@ def measure(model: str, prompt_tokens: int, count: int, cap: int | None) -> tupl
             ids = rng.integers(1000, 20000, size=(min(BATCH, count - start), prompt_tokens)).tolist()
             client.submit([GenerateRequest(client.new_request_id(), prompt_token_ids=p, sampling=params)
                            for p in ids])
-        refused = 0
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the refusals come at once
-            refused += sum(o.finished for o in client.recv_outputs(timeout_s=0.5))
-        after = settled_rss(pids)
+        client.engine_info(timeout_s=600)  # answered once the frontend has taken in every submission before it
+        refused = sum(o.finished for o in client.recv_outputs(timeout_s=0))  # the refusals came at once
+        after = settled_rss(pids, quiet_s=5.0)  # the scheduler takes them in after the frontend
         runner.close()
         return {name: after[name] - before[name] for name in pids}, refused
     finally:
@@ -83,6 +84,7 @@ def measure(model: str, prompt_tokens: int, count: int, cap: int | None) -> tupl
 
 
 def main() -> None:
+    os.environ["DELTASERVE_STEP_TIMEOUT_S"] = "0"  # the worker is stopped on purpose
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=20_000)
