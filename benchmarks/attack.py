@@ -8,8 +8,9 @@ greedy tokens:
    with random fields, 1 MiB fields, several frames);
 2. one frame of 200 MB;
 3. a burst of 10,000 requests in one submission (and with --max-waiting-requests, how many are refused);
-4. with --transport tcp: a DEALER, a PUSH and a PULL socket without the engine's keys at every internal
-   port, sending garbage, Shutdown, ProcessFailed and AbortSeqs;
+4. with --transport tcp: a DEALER, a PUSH and a PULL socket without the engine's keys at every other port
+   the engine's processes listen on (found as a port scan would), sending garbage, Shutdown, ProcessFailed
+   and AbortSeqs;
 5. SIGKILL of each engine process in turn (a fresh server each time), timing until every process is gone.
 Addresses are on this machine only (127.0.0.1).
 """
@@ -17,7 +18,6 @@ Addresses are on this machine only (127.0.0.1).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -47,7 +47,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [1000, 2000, 3000, 4000]
 
 
-def serve(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, dict]:
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports these processes listen on, as a port scan of this host would find them."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def serve(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, dict[str, int]]:
     cmd = [sys.executable, "launch.py", "--model", args.model, "--serve", "--port", str(port), "--device", "cpu",
            "--max-model-len", "256", "--transport", args.transport, "--log-level", "ERROR"]
     if args.max_waiting_requests:
@@ -59,15 +80,18 @@ def serve(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, dict]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                status = open(f"/proc/{pid}/status").read()
-                cmdline = open(f"/proc/{pid}/cmdline").read().split("\0")
+                with open(f"/proc/{pid}/status") as f, open(f"/proc/{pid}/cmdline") as g:
+                    status, title = f.read(), g.read().split("\0")[0]
             except OSError:
                 continue
-            if f"PPid:\t{server.pid}\n" in status and "--endpoints" in cmdline:
-                module = cmdline[cmdline.index("-m") + 1]
-                rank = cmdline[cmdline.index("--rank") + 1] if "--rank" in cmdline else ""
-                children[f"{module}{rank}"] = (int(pid), json.loads(cmdline[cmdline.index("--endpoints") + 1]))
+            if f"PPid:\t{server.pid}\n" in status:
+                children[title.split("deltaserve-", 1)[-1]] = int(pid)  # "deltaserve-frontend", set by setproctitle
     return server, children
+
+
+def rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) >> 10
 
 
 def greedy(port: int) -> list[int]:
@@ -150,12 +174,12 @@ def main() -> None:
         replies += len(drain(sock, 2000))
         print(f"1. 2000 malformed messages in {time.monotonic() - t0:.1f} s: {replies} replies, the largest "
               f"{longest} bytes; still exact: {greedy(port) == reference}", flush=True)
+        before = rss_mib(children["frontend"])
         sock.send(b"\x00" * 200_000_000)
         answered = bool(drain(sock, 3000))
-        with open(f"/proc/{children['frontend'][0]}/status") as f:
-            rss_mib = int(f.read().split("VmRSS:")[1].split()[0]) >> 10
-        print(f"2. a 200 MB frame: answered {answered}; the frontend holds {rss_mib} MiB; still exact: "
-              f"{greedy(port) == reference}", flush=True)
+        after = rss_mib(children["frontend"])
+        print(f"2. a 200 MB frame: answered {answered}; the frontend held {before} MiB before, {after} MiB after; "
+              f"still exact: {greedy(port) == reference}", flush=True)
         sock.close()
         client = EngineClient(f"tcp://127.0.0.1:{port}", dead_after_s=60)
         t0 = time.monotonic()
@@ -172,9 +196,8 @@ def main() -> None:
               f"overloaded (--max-waiting-requests {args.max_waiting_requests}); still exact: "
               f"{greedy(port) == reference}", flush=True)
         if args.transport == "tcp":
-            endpoints = children["frontend"][1]
-            addresses = [endpoints[k] for k in ("control", "frontend_in", "scheduler_in", "worker_out")]
-            addresses += endpoints["plans"]
+            ports = listening_ports([server.pid, *children.values()]) - {port}
+            addresses = [f"tcp://127.0.0.1:{p}" for p in sorted(ports)]
             socks, leaked = [], 0
             for address in addresses:
                 for kind in (zmq.DEALER, zmq.PUSH, zmq.PULL):
@@ -200,11 +223,11 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
-    for victim in ("frontend", "scheduler_proc", "workers0", "launcher"):
+    for victim in ("frontend", "scheduler", "worker-tp0", "launcher"):
         port = free_port()
         server, children = serve(args, port)
-        pids = [pid for pid, _ in children.values()]
-        os.kill(server.pid if victim == "launcher" else children[victim][0], signal.SIGKILL)
+        pids = list(children.values())
+        os.kill(server.pid if victim == "launcher" else children[victim], signal.SIGKILL)
         t0 = time.monotonic()
         while any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
                   for pid in pids) and time.monotonic() - t0 < 30:
