@@ -17,7 +17,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import ATTENTION_BACKENDS, DEFAULT_PROFILE_STEPS, DEVICES, DTYPES, ConfigError, EngineConfig
+from common.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_PROFILE_STEPS,
+    DEVICES,
+    DTYPES,
+    ConfigError,
+    EngineConfig,
+)
 from common.protocol import GenerateRequest, RequestOutput
 from common.sampling_params import SamplingParams
 from common.units import count
@@ -64,6 +72,12 @@ def build_parser() -> ArgumentParser:
                    help="auto = triton on GPU (faster than FlashAttention-4 on an H200), torch on CPU")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="most requests accepted but not started (no output token yet); one more is refused at once "
+                        "as 'overloaded' (default: unlimited; set it when serving)")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest client message (bytes, at least 65536); a client sending more is disconnected "
+                        "before it is read")
     g.add_argument("--profile-dir", default=None,
                    help="profile every process: a torch.profiler trace per process (CUDA activity on GPU workers), "
                         "one merged timeline (DIR/timeline.json.gz), a summary (DIR/summary.txt, also printed at "
@@ -86,6 +100,13 @@ def build_parser() -> ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="client socket port (1..65535)")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
+    v.add_argument("--client-key", default=None,
+                   help="serve the client port with CURVE encryption under this key pair (a .key_secret file made "
+                        "by zmq.auth.create_certificates); clients need its public key (python -m frontend.client "
+                        "--server-key FILE.key)")
+    v.add_argument("--client-allowed-keys", default=None,
+                   help="with --client-key: a folder of clients' public key files (*.key); only those clients may "
+                        "connect (default: any client that has the server's public key)")
     v.add_argument("--local-ranks", default=None,
                    help="comma-separated worker ranks to start here (default: all); the others are started by hand "
                         "on other hosts with the printed command (needs --transport tcp and a reachable --host)")
@@ -111,9 +132,11 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _print_worker_command(rank: int, argv: list[str]) -> None:
-    print(f"deltaserve: start worker rank {rank} on its host (same model path, a checkout of deltaserve) with:\n"
-          f"  {shlex.join(['python', *argv[1:]])}", flush=True)
+def _print_worker_command(rank: int, argv: list[str], env: dict[str, str]) -> None:
+    assigns = " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
+    print(f"deltaserve: start worker rank {rank} on its host (same model path, a checkout of deltaserve) with the "
+          f"command below; it holds this launch's secret keys, so pass it over a trusted channel:\n"
+          f"  {assigns} {shlex.join(['python', *argv[1:]])}", flush=True)
 
 
 def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
@@ -154,6 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             local_ranks = [int(r) for r in args.local_ranks.split(",") if r.strip()]
         except ValueError:
             parser.error(f"--local-ranks must be comma-separated integers, got {args.local_ranks!r}")
+    client_curve = None
+    if args.client_allowed_keys is not None and args.client_key is None:
+        parser.error("--client-allowed-keys needs --client-key")
+    if args.client_key is not None:
+        if not args.serve:
+            parser.error("--client-key is for --serve")
+        from common.curve import CurveServer, load_allowed_keys, load_key_file
+
+        try:
+            public, secret = load_key_file(args.client_key, secret=True)
+            allowed = None if args.client_allowed_keys is None else load_allowed_keys(args.client_allowed_keys)
+        except ValueError as exc:
+            parser.error(str(exc))
+        client_curve = CurveServer(public, secret or "", allowed)
     model = args.model
     if model is None:
         from frontend.default_model import ensure_default_model
@@ -181,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,
-                                 client_listener=client_listener)
+                                 client_listener=client_listener, client_curve=client_curve)
     except (ConfigError, ValueError, OSError) as exc:
         parser.option_error(str(exc))
     # Ctrl-C and SIGTERM stop the engine, also when started from a script that ignores SIGINT.
@@ -244,7 +281,7 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
 
     from frontend.client import EngineClient
 
-    client = EngineClient(engine.endpoints.client, liveness=engine.check)
+    client = EngineClient(engine.endpoints.client, liveness=engine.check, curve=engine.client_keys())
     requests = []
     for text in prompts:
         req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=True)

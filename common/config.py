@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import python_numbers
+from common.protocol import MIN_MAX_MESSAGE_BYTES, python_numbers
 from common.sampling_params import SEED_LIMIT
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
@@ -25,6 +25,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Steps a profiling run traces by itself when `profile_steps` is not given: bounded, since a trace grows with
 # every step it holds (a worker's torch trace keeps each op and kernel of the window in memory until it stops).
 DEFAULT_PROFILE_STEPS = "0:100"
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: e.g. a submission of 800 prompts of 16k token ids
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,8 @@ class EngineConfig:
     profile_dir: str | None = None  # profiling runs (common/profiling.py): every process writes its traces here
     profile_steps: str = DEFAULT_PROFILE_STEPS  # "A:B": trace steps A..B-1 by itself; "none": only on request
     log_level: str = "WARNING"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # client messages larger than this are refused unread
+    max_waiting_requests: int | None = None  # None: unlimited; beyond it a request is refused ("overloaded")
     # Filled by `resolve()` from the checkpoint's config.json; not user settings.
     architecture: str = ""
     vocab_size: int = 0
@@ -91,6 +94,10 @@ class EngineConfig:
         positive("num_kvcache_blocks", self.num_kvcache_blocks, allow_none=True)
         positive("kv_cache_memory_gb", self.kv_cache_memory_gb, allow_none=True, integer=False)
         positive("tensor_parallel_size", self.tensor_parallel_size)
+        positive("max_waiting_requests", self.max_waiting_requests, allow_none=True)
+        m = self.max_message_bytes
+        if isinstance(m, bool) or not isinstance(m, int) or m < MIN_MAX_MESSAGE_BYTES:
+            raise ConfigError(f"max_message_bytes must be an integer >= {MIN_MAX_MESSAGE_BYTES} (64 KiB), got {m!r}")
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

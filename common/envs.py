@@ -108,12 +108,19 @@ STEP_TIMEOUT_DEFAULT_CPU_S = 3600.0
 
 
 def step_timeout_s(on_cpu: bool = False) -> float:
-    """DELTASERVE_STEP_TIMEOUT_S: seconds a step may stay unfinished before the scheduler declares a
-    worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts the
-    engine down with that message (default 300 on GPUs, 3600 when the workers run on CPU; 0 turns
-    the watchdog off)."""
+    """DELTASERVE_STEP_TIMEOUT_S: the most seconds any step may stay unfinished before the scheduler
+    declares a worker stuck (a stopped process, a hung GPU, a peer lost inside a collective) and shuts
+    the engine down with that message; also the bound of a step unlike any measured so far (default
+    300 on GPUs, 3600 when the workers run on CPU; 0 turns the watchdog off). Steps like measured ones
+    get a bound relative to those (`scheduler_proc/watchdog.py`, `step_timeout_floor_s`)."""
     default = STEP_TIMEOUT_DEFAULT_CPU_S if on_cpu else STEP_TIMEOUT_DEFAULT_S
     return _number("DELTASERVE_STEP_TIMEOUT_S", f"{default:g}", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
+
+
+def step_timeout_floor_s() -> float:
+    """DELTASERVE_STEP_TIMEOUT_FLOOR_S: the least seconds a step like measured ones may take before the
+    watchdog fires, whatever 20 times the longest such step comes to (default 60; must be > 0)."""
+    return _number("DELTASERVE_STEP_TIMEOUT_FLOOR_S", "60", 0.0, allow_minimum=False, meaning="seconds")
 
 
 def scheduler_timeout_s() -> float:
@@ -143,6 +150,7 @@ def check_all() -> None:
     frontend_timeout_s()
     all_reduce_impl()
     step_timeout_s()
+    step_timeout_floor_s()
     check_invariants()
     step_log_dir()
     profile_with_stack()

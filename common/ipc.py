@@ -3,6 +3,14 @@
 Every socket carries messages of `common.protocol` only. A process binds the sockets it
 receives on (PULL, ROUTER) and connects the ones it sends on, so start-up order does not
 matter: ZeroMQ queues messages until the peer appears.
+
+Ports: every tcp port of a launch is taken when its addresses are made (`Endpoints.create`) and
+held by the launcher until the process that binds it inherits the listening socket (ZMQ_USE_FD,
+or the rendezvous store's `master_listen_fd`): a port probed and let go could be taken by anyone
+in between, even as the local port of an outgoing connection.
+
+Security: tcp sockets use CURVE with the launch's keys (`common.curve`), so that only the engine's
+own processes can connect to them; ipc sockets live in the launch's 0700 folder.
 """
 
 from __future__ import annotations
@@ -13,12 +21,13 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import zmq
 
 from common import protocol
+from common.curve import CurveKeys
 
 STOP_REASON_FILE = "stop-reason"  # in the run folder: see Endpoints.write_stop_reason
 
@@ -38,6 +47,13 @@ class Endpoints:
       (`write_stop_reason`); "" where there is none (addresses made by hand).
     - `client_fd`: a socket already listening on `client` that the frontend inherits from the
       launcher (`hold_port`) and serves on, or -1: the frontend binds `client` itself.
+    - `listen_fds`: tcp address -> a socket listening there, held since `create`, that the process
+      binding the address inherits (the launcher passes each process its own: `bound_by`).
+    - `curve`: this process's CURVE keys for its tcp sockets (None: plain sockets). Secret: never
+      serialised, each process reads its own from the environment (`CurveKeys.from_environment`).
+
+    Who binds what: the launcher `control`; the frontend `client` and `frontend_in`; the scheduler
+    `scheduler_in`, `worker_out` and `plans`; worker rank 0 the rendezvous `dist_init`.
     """
 
     client: str
@@ -49,27 +65,96 @@ class Endpoints:
     dist_init: str
     run_dir: str = ""
     client_fd: int = -1
+    listen_fds: dict[str, int] = field(default_factory=dict)
+    curve: CurveKeys | None = field(default=None, repr=False, compare=False)
+    # The launcher's listening sockets behind `listen_fds` (closed by `release_ports`); not serialised.
+    held: tuple[socket.socket, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def create(cls, tp_size: int, transport: str = "ipc", host: str = "127.0.0.1") -> Endpoints:
-        """Fresh addresses for one launch; two launches never share a path or port."""
+        """Fresh addresses for one launch; two launches never share a path or port. Every tcp port is
+        held from here on (`listen_fds`; `release_ports` closes this process's copies). The rendezvous
+        `dist_init` listens on `host` only, and exists only for `tp_size` > 1 ("" otherwise).
+
+        Raises `ValueError` for a transport other than ipc or tcp, or a host that cannot be bound here."""
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        dist_init = f"tcp://{host}:{free_port(host)}"
+        held: dict[str, socket.socket] = {}
+
+        def t() -> str:
+            s = listen_on(host)
+            address = f"tcp://{_url_host(host)}:{s.getsockname()[1]}"
+            held[address] = s
+            return address
+
+        try:
+            dist_init = t() if tp_size > 1 else ""
+            if transport == "tcp":
+                addresses = [t() for _ in range(5)]  # client, control, frontend_in, scheduler_in, worker_out
+                plans = tuple(t() for _ in range(tp_size))
+        except BaseException:
+            for s in held.values():
+                s.close()
+            raise
         run_dir = tempfile.mkdtemp(prefix="deltaserve-")
         if transport == "ipc":
             a = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
-            return cls(a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out"),
-                       tuple(a(f"plans-{r}") for r in range(tp_size)), dist_init, run_dir)
-        t = lambda: f"tcp://{host}:{free_port(host)}"  # noqa: E731
-        return cls(t(), t(), t(), t(), t(), tuple(t() for _ in range(tp_size)), dist_init, run_dir)
+            addresses = [a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out")]
+            plans = tuple(a(f"plans-{r}") for r in range(tp_size))
+        return cls(*addresses, plans, dist_init, run_dir, listen_fds={a: s.fileno() for a, s in held.items()},
+                   held=tuple(held.values()))
 
     def with_client(self, address: str, fd: int = -1) -> Endpoints:
         """These endpoints with clients served on `address` (through the listening socket `fd`, if given)."""
         return replace(self, client=address, client_fd=fd)
 
+    def with_curve(self, keys: CurveKeys | None) -> Endpoints:
+        return replace(self, curve=keys)
+
+    def bound_by(self, process: str) -> list[str]:
+        """The addresses process `process` ("launcher", "frontend", "scheduler", "worker-tp<r>") binds."""
+        return {"launcher": [self.control], "frontend": [self.client, self.frontend_in],
+                "scheduler": [self.scheduler_in, self.worker_out, *self.plans],
+                "worker-tp0": [self.dist_init] if self.dist_init else []}.get(process, [])
+
+    def allowed_peers(self) -> dict[str, tuple[str, ...]]:
+        """Bound address -> the processes that connect to it: the only peers its CURVE server admits.
+        `client` lists the launcher (its own client, `LLM` or a one-shot run); a served client port is
+        the operator's (`--client-key`)."""
+        workers = tuple(f"worker-tp{r}" for r in range(len(self.plans)))
+        peers = {self.control: ("frontend", "scheduler", *workers), self.client: ("launcher",),
+                 self.frontend_in: ("scheduler",), self.scheduler_in: ("frontend",), self.worker_out: workers}
+        peers.update({address: (worker,) for address, worker in zip(self.plans, workers)})
+        return peers
+
+    def fds_of(self, process: str) -> tuple[int, ...]:
+        """The held listening sockets process `process` inherits (its bound tcp addresses)."""
+        fds = [self.listen_fds[a] for a in self.bound_by(process) if a in self.listen_fds]
+        if process == "frontend" and self.client_fd >= 0:
+            fds.append(self.client_fd)
+        return tuple(fds)
+
+    def release_ports(self) -> None:
+        """Close this process's copies of the held listening sockets (once every process that binds
+        them has been started with its own copy, or at shutdown)."""
+        for s in self.held:
+            s.close()
+
+    def make_socket(self, ctx: zmq.Context, kind: int, address: str, bind: bool,
+                    max_message_bytes: int = 0) -> zmq.Socket:
+        """`make_socket` for one of these addresses: through its inherited listening socket, if any, and
+        with this process's CURVE keys on tcp."""
+        fd = -1
+        if bind:
+            fd = self.client_fd if address == self.client and self.client_fd >= 0 else self.listen_fds.get(address, -1)
+            if fd >= 0 and any(s.fileno() == fd for s in self.held):
+                fd = os.dup(fd)  # bound here, in the holder (the launcher): ZeroMQ owns its copy, release_ports ours
+        return make_socket(ctx, kind, address, bind, fd, curve=self.curve, max_message_bytes=max_message_bytes)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        skip = ("curve", "held")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        return {**d, "plans": list(self.plans), "listen_fds": dict(self.listen_fds)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoints:
@@ -103,14 +188,32 @@ class Endpoints:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it). Raises `ValueError` for a host that
-    cannot be bound here."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError as exc:
-            raise ValueError(f"cannot open a port on host {host!r}: {exc}") from None
+    """A TCP port that was free a moment ago (the OS picks it), for tests and tools: anyone may take it
+    before it is bound (the engine's own ports are held: `listen_on`). Raises `ValueError` for a host
+    that cannot be bound here."""
+    with listen_on(host) as s:
         return s.getsockname()[1]
+
+
+def listen_on(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `host`:`port` (0: a port the OS picks), IPv4 or IPv6 as `host` is.
+    Raises `ValueError` naming the host for one that cannot be bound here."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"cannot open a port on host {host!r}: {exc}") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((host, port))
+        s.listen(128)
+    except OSError as exc:
+        s.close()
+        raise ValueError(f"cannot open a port on host {host!r}: {exc.strerror or exc}") from None
+    return s
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def hold_port(host: str, port: int) -> socket.socket:
@@ -137,9 +240,12 @@ class AddressInUseError(ValueError):
     """`hold_port`: another socket listens on that address already."""
 
 
-def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int = -1) -> zmq.Socket:
-    """A socket with no send/receive limits and no linger at close (exit never blocks). `fd`: a socket
-    already listening on `address` to bind through (ZMQ_USE_FD), instead of a fresh one.
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int = -1, curve: CurveKeys | None = None,
+                max_message_bytes: int = 0) -> zmq.Socket:
+    """A socket with no send/receive queue limits and no linger at close (exit never blocks). `fd`: a
+    socket already listening on `address` to bind through (ZMQ_USE_FD), instead of a fresh one.
+    `curve`: CURVE keys for a tcp address (`CurveKeys.apply`). `max_message_bytes` > 0: a peer that
+    sends a larger message is disconnected before the message is read (ZMQ_MAXMSGSIZE).
 
     Raises `zmq.ZMQError` (the socket closed) for an address ZeroMQ cannot bind or connect to."""
     sock = ctx.socket(kind)
@@ -147,6 +253,10 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, fd: int =
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     try:
+        if max_message_bytes > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.apply(sock, address, bind)
         if fd >= 0:
             sock.setsockopt(zmq.USE_FD, fd)
         if bind:

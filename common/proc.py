@@ -22,6 +22,7 @@ import zmq
 
 from common import envs, ipc, protocol
 from common.config import ConfigError
+from common.curve import CurveKeys
 from common.errors import ExplainedError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
@@ -30,6 +31,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(message)s"
 def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None = None) -> logging.Logger:
     """Name the process for `ps` ("deltaserve-<name>"), configure logging, and arrange to exit
     when the parent (the launcher) dies, even by SIGKILL."""
+    global _launcher_pid
     try:
         import setproctitle
 
@@ -44,6 +46,7 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     if parent_pid is not None:
+        _launcher_pid = parent_pid
         die_with_parent(parent_pid)
     return logging.getLogger(f"deltaserve.{name}")
 
@@ -85,6 +88,14 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+_launcher_pid: int | None = None  # this process's launcher, when it has one (`setup_process`)
+
+
+def launcher_gone() -> bool:
+    """Whether this process was started by a launcher that has since died (killed, or crashed)."""
+    return _launcher_pid is not None and parent_gone(_launcher_pid)
 
 
 def parent_gone(parent_pid: int) -> bool:
@@ -153,7 +164,11 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the launcher) ends")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
-    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
+    try:  # the secret keys come through the environment: a command line is visible to every local user
+        keys = CurveKeys.from_environment()
+    except ValueError as exc:
+        parser.error(str(exc))
+    endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints)).with_curve(keys)
     name = f"{kind}-tp{args.rank}" if with_rank else kind
     setup_process(name, config.log_level, args.parent_pid)
 
@@ -169,10 +184,10 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
             if args.parent_pid is not None and parent_gone(args.parent_pid):
                 endpoints.cleanup()  # the launcher died first (e.g. SIGKILL): leave no socket folder behind
 
-    run_process(name, endpoints.control, body, launched=args.parent_pid is not None)
+    run_process(name, endpoints, body, launched=args.parent_pid is not None)
 
 
-def run_process(name: str, control_address: str, body: Callable[[], None], launched: bool = False) -> None:
+def run_process(name: str, endpoints: ipc.Endpoints, body: Callable[[], None], launched: bool = False) -> None:
     """Run a process body; on an exception, tell the launcher why before exiting with code 1: the message
     of an `ExplainedError` or `ConfigError`, else the exception's type and message (its traceback is logged).
 
@@ -196,7 +211,7 @@ def run_process(name: str, control_address: str, body: Callable[[], None], launc
             log.error("fatal error:\n%s", traceback.format_exc())
         with contextlib.suppress(Exception):
             ctx = zmq.Context.instance()
-            sock = ipc.make_socket(ctx, zmq.PUSH, control_address, bind=False)
+            sock = endpoints.make_socket(ctx, zmq.PUSH, endpoints.control, bind=False)
             sock.setsockopt(zmq.LINGER, 2000)
             ipc.send(sock, protocol.ProcessFailed(name=name, error=text))
             sock.close()

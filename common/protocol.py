@@ -45,6 +45,8 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
+from common.errors import quote
+
 PROTOCOL_VERSION = 1
 
 
@@ -249,6 +251,13 @@ class ErrorReply:
 
     error: str
     refused_request_ids: list[str] = field(default_factory=list)  # the submitted requests refused, by id
+
+
+# Limits of the client port. Every engine takes client messages of at least MIN_MAX_MESSAGE_BYTES (its
+# own limit, `max_message_bytes`, is in EngineInfo.info; a peer sending more is disconnected unread),
+# and request ids of at most MAX_REQUEST_ID_CHARS characters (a longer one gets an ErrorReply).
+MIN_MAX_MESSAGE_BYTES = 64 << 10
+MAX_REQUEST_ID_CHARS = 256
 
 
 # ============================================================================ frontend -> scheduler
@@ -485,10 +494,10 @@ def decode(data: bytes) -> Any:
         raise ProtocolError("a message must be an array [version, type, fields...]")
     version, name, *values = obj
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(f"unsupported protocol version {quote(version)} (this peer speaks {PROTOCOL_VERSION})")
     cls = _MESSAGES.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {name!r}")
+        raise ProtocolError(f"unknown message type {quote(name)}")
     return _build(cls, values, name)
 
 
@@ -535,7 +544,8 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
         key_hint, value_hint = typing.get_args(hint)
-        return {_check(key_hint, k, f"{where} key"): _check(value_hint, v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {_check(key_hint, k, f"{where} key"): _check(value_hint, v, f"{where}[{quote(k)}]")
+                for k, v in value.items()}
     if hint in _HINTS:
         return _build(hint, value, where)
     if hint is float:

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.errors import quote
 from common.protocol import python_numbers
 
 TOKEN_ID_LIMIT = 2**63  # token ids and counts travel as 64-bit integers
@@ -50,20 +51,21 @@ class SamplingParams:
             setattr(self, name, python_numbers(getattr(self, name)))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {quote(t)}")
         m = self.max_tokens
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m < TOKEN_ID_LIMIT:
-            raise ValueError(f"max_tokens must be an integer in [1, 2**63), got {m!r}")
+            raise ValueError(f"max_tokens must be an integer in [1, 2**63), got {quote(m)}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {quote(getattr(self, name))}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < SEED_LIMIT):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {quote(self.seed)}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < TOKEN_ID_LIMIT for i in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), "
+                             f"got {quote(self.stop_token_ids)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,5 +78,5 @@ class SamplingParams:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown sampling parameters {quote(unknown)}; known: {sorted(known)}")
         return cls(**data)

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import numbers
+import os
 import socket
 import sys
 import threading
@@ -26,7 +27,10 @@ from typing import Any
 import zmq
 
 from common import ipc
+from common.curve import CurveKeys, client_keys, load_key_file
 from common.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    MIN_MAX_MESSAGE_BYTES,
     Abort,
     EngineInfo,
     ErrorReply,
@@ -93,6 +97,13 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
         raise TypeError(f"a prompt must be {kinds}; got {bad!r}")
 
 
+def _unsendable(req: GenerateRequest) -> str | None:
+    """Why `req` cannot be sent (a value msgpack cannot carry, a request id too long); None if it can."""
+    if isinstance(req.request_id, str) and len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        return f"its request_id has {len(req.request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} allowed"
+    return wire_error(req)
+
+
 class EngineClient:
     """A connection to a running engine. One thread at a time: ZeroMQ sockets are not thread-safe, so a
     thread that calls it while another thread's `generate()` (or `LLM.generate`) is under way gets a
@@ -100,14 +111,16 @@ class EngineClient:
     threads, and several `generate()` iterators in one thread, are fine."""
 
     def __init__(self, address: str, liveness: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
-                 dead_after_s: float = 20.0) -> None:
+                 dead_after_s: float = 20.0, curve: CurveKeys | None = None) -> None:
         """`address`: the frontend's client address (tcp://host:port or ipc://path); raises
         `ValueError` naming it if ZeroMQ cannot use it.
-        `liveness`: called while waiting; may raise to abort the wait (the launcher's `check`)."""
+        `liveness`: called while waiting; may raise to abort the wait (the launcher's `check`).
+        `curve`: CURVE keys for a server that uses them (`common.curve.client_keys(server_public_key)`,
+        or `EngineProcesses.client_keys()`); a server that does not know them never answers."""
         self.address = address
         self.ctx = zmq.Context.instance()
         try:
-            self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False)
+            self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False, curve=curve)
         except zmq.ZMQError as exc:
             raise ValueError(f"cannot connect to the engine address {address!r}: {exc.strerror} "
                              "(expected tcp://host:port or ipc://path)") from None
@@ -118,6 +131,7 @@ class EngineClient:
         self._streams: dict[str, deque[RequestOutput]] = {}  # request id -> outputs waiting for its generate()
         self._info: EngineInfo | None = None
         self._profile_status: ProfileStatus | None = None
+        self._max_message_bytes: int | None = None  # the engine's, once asked (0: no limit)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._last_ping = 0.0
@@ -153,24 +167,53 @@ class EngineClient:
     # ------------------------------------------------------------------ sending
     def submit(self, requests: list[GenerateRequest]) -> None:
         """Send `requests`. One that cannot be encoded (a token id or count past 64 bits, text with a
-        lone surrogate) is not sent: it finishes at once with finish reason "error" naming the bad
-        field, and `recv_outputs` delivers it like the engine's own rejections; the others are sent."""
+        lone surrogate), has a request id over `MAX_REQUEST_ID_CHARS` characters, or alone is larger than
+        the engine's `max_message_bytes`, is not sent: it finishes at once with finish reason "error"
+        naming the bad field or the limit, and `recv_outputs` delivers it like the engine's own
+        rejections; the others are sent, in several messages if together they exceed that limit (a
+        message that large would be refused unread). Raises `EngineConnectionError` if the engine does
+        not tell its limit when asked (only for submissions over `MIN_MAX_MESSAGE_BYTES`)."""
         self._check_thread()
         try:
             data = encode(Submit(requests))
+            if any(isinstance(r.request_id, str) and len(r.request_id) > MAX_REQUEST_ID_CHARS for r in requests):
+                raise ValueError("a request id is too long")
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
-            sendable = []
-            for req in requests:
-                why = wire_error(req)
-                if why is None:
-                    sendable.append(req)
-                else:
-                    self._pending.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                                       error=f"this request cannot be sent: {why}"))
-            if not sendable:
-                return
-            data = encode(Submit(sendable))
-        self.sock.send(data, copy=False)
+            requests = [r for r in requests if self._sendable(r, _unsendable(r))]
+            data = encode(Submit(requests))
+        if not requests:
+            return
+        if len(data) <= MIN_MAX_MESSAGE_BYTES or not (limit := self.max_message_bytes()) or len(data) <= limit:
+            self.sock.send(data, copy=False)
+            return
+        base = len(encode(Submit([]))) + 8  # + the array header's growth with the count
+        batch: list[GenerateRequest] = []
+        size = base
+        for req in requests:
+            n = len(encode(Submit([req]))) - base + 8
+            too_large = f"it is {n + base} bytes encoded, more than the engine's max_message_bytes ({limit})"
+            if not self._sendable(req, too_large if n + base > limit else None):
+                continue
+            if batch and size + n > limit:
+                ipc.send(self.sock, Submit(batch))
+                batch, size = [], base
+            batch.append(req)
+            size += n
+        if batch:
+            ipc.send(self.sock, Submit(batch))
+
+    def _sendable(self, req: GenerateRequest, why: str | None) -> bool:
+        """True if `why` is None; else False, and `req` finishes at once with that reason."""
+        if why is not None:
+            self._pending.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                               error=f"this request cannot be sent: {why}"))
+        return why is None
+
+    def max_message_bytes(self) -> int:
+        """The largest client message the engine takes (asked once; 0: it sets no limit)."""
+        if self._max_message_bytes is None:
+            self._max_message_bytes = int(self.engine_info().info.get("max_message_bytes") or 0)
+        return self._max_message_bytes
 
     def abort(self, request_ids: list[str]) -> None:
         self._check_thread()
@@ -326,6 +369,26 @@ def unresolvable_host(address: str) -> tuple[str, str] | None:
     return None
 
 
+def _curve_options(server_key: str | None, client_key: str | None) -> CurveKeys | None:
+    """The CLI's CURVE keys: `server_key` a public key file or Z85 text, `client_key` a secret key file.
+    Raises `ValueError` naming the option for one that cannot be used."""
+    if server_key is None:
+        if client_key is not None:
+            raise ValueError("--client-key needs --server-key (the server's public key)")
+        return None
+    public = server_key if len(server_key) == 40 and not os.path.exists(server_key) else None
+    try:
+        if public is None:
+            public = load_key_file(server_key, secret=False)[0]
+        own = None
+        if client_key is not None:
+            own_public, own_secret = load_key_file(client_key, secret=True)
+            own = (own_public, own_secret or "")
+        return client_keys(public, own)
+    except ValueError as exc:
+        raise ValueError(f"--server-key / --client-key: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m frontend.client", formatter_class=HelpFormatter,
                        description="Submit prompts to a running deltaserve engine and print the answers.")
@@ -349,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-profile", action="store_true",
                    help="stop the trace after the last step planned so far, wait until its files are written and "
                         "merged, and print the summary")
+    p.add_argument("--server-key", default=None,
+                   help="the server's CURVE public key (its .key file, or the 40-character key), for a server "
+                        "started with --client-key")
+    p.add_argument("--client-key", default=None,
+                   help="this client's CURVE key pair (a .key_secret file), for a server that admits only listed "
+                        "clients (--client-allowed-keys); default: a fresh pair")
     args = p.parse_args(argv)
     profiling = args.start_profile is not None or args.stop_profile
     if profiling and (args.prompts or (args.start_profile is not None and args.stop_profile)):
@@ -372,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--port must be in 1..65535, got {args.port}")
     address = args.address or f"tcp://{args.host}:{args.port}"
     try:
-        client = EngineClient(address, dead_after_s=args.timeout)
+        curve = _curve_options(args.server_key, args.client_key)
+        client = EngineClient(address, dead_after_s=args.timeout, curve=curve)
     except ValueError as exc:
         p.error(str(exc))
     unresolved = unresolvable_host(address)

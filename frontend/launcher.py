@@ -26,6 +26,8 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
+from common.curve import ENV_VAR as CURVE_ENV_VAR
+from common.curve import CurveKeys, CurveServer, client_keys, launch_keys
 from common.proc import signal_name
 from common.protocol import ProcessFailed, ProcessReady, ProtocolError, decode
 
@@ -45,18 +47,22 @@ class EngineDeadError(RuntimeError):
 class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
                  host: str = "127.0.0.1", local_ranks: list[int] | None = None,
-                 on_external_worker: Any = None, client_listener: socket.socket | None = None) -> None:
+                 on_external_worker: Any = None, client_listener: socket.socket | None = None,
+                 client_curve: CurveServer | None = None) -> None:
         """`config` is resolved here (raises `ConfigError` for an unusable model or setting, and
         `ValueError` naming a bad DELTASERVE_* environment variable, before any process starts).
 
         `client_listener`: a socket already listening on `client_address` (`ipc.hold_port`); the frontend
         inherits it and serves on it, so the port stays this engine's while the model loads. Owned (and
-        closed) from here on.
+        closed) from here on. `client_curve`: serve `client_address` with CURVE (`--client-key`).
 
-        `local_ranks`: the worker ranks started here (default: all). Every other rank is an external
-        worker, started by hand (e.g. on a second host) with the command `worker_command(rank)`;
-        `on_external_worker(rank, argv)` is called with it. External workers need `transport="tcp"`
-        and a `host` address the other host can reach.
+        `local_ranks`: the worker ranks started here (default: all; rank 0, which serves the
+        torch.distributed rendezvous on `host`, must be one). Every other rank is an external worker,
+        started by hand (e.g. on a second host) with the command `worker_command(rank)`:
+        `on_external_worker(rank, argv, env)` is called with it and the environment variables it needs
+        (its CURVE keys). External workers need `transport="tcp"` and a `host` the other host can reach.
+
+        The internal tcp sockets admit only this launch's processes (`common.curve`).
         """
         self.config = config.resolve()
         envs.check_all()
@@ -66,12 +72,18 @@ class EngineProcesses:
             raise ValueError(f"local_ranks {self.local_ranks} must be in 0..{tp - 1}")
         if len(self.local_ranks) < tp and transport != "tcp":
             raise ValueError("workers started elsewhere need transport='tcp'")
+        if 0 not in self.local_ranks:
+            raise ValueError("worker rank 0 must be started here: it serves the torch.distributed rendezvous on host")
         self.on_external_worker = on_external_worker
         self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
         self.client_listener = client_listener
         if client_address:
             fd = client_listener.fileno() if client_listener is not None else -1
             self.endpoints = self.endpoints.with_client(client_address, fd)
+        names = ["launcher", "frontend", "scheduler", *(f"worker-tp{r}" for r in range(tp))]
+        self.keys = launch_keys(self.endpoints, names, client_curve, served_client=bool(client_address))
+        self.endpoints = self.endpoints.with_curve(self.keys["launcher"])
+        self.client_curve = client_curve
         self.ctx = zmq.Context.instance()
         self.control: zmq.Socket | None = None
         self.procs: dict[str, subprocess.Popen] = {}
@@ -86,33 +98,46 @@ class EngineProcesses:
         return [sys.executable, "-m", module, "--config", self.config.to_json(),
                 "--endpoints", json.dumps(self.endpoints.to_dict()), *extra]
 
-    def worker_command(self, rank: int) -> list[str]:
-        """What to run (from a checkout of this repository) to start worker `rank` by hand."""
-        return self.command("workers", "--rank", str(rank))
+    def worker_command(self, rank: int) -> tuple[list[str], dict[str, str]]:
+        """What to run (from a checkout of this repository) to start worker `rank` by hand: the command
+        line, and the environment variables to set for it (its CURVE keys: secret, keep them off
+        command lines)."""
+        return self.command("workers", "--rank", str(rank)), self.process_env(f"worker-tp{rank}")
 
-    def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
-        env = dict(os.environ)
+    def process_env(self, name: str) -> dict[str, str]:
+        """The environment variables process `name` needs beyond the launcher's own: its CURVE keys."""
+        return {CURVE_ENV_VAR: self.keys[name].to_json()}
+
+    def client_keys(self) -> CurveKeys | None:
+        """The CURVE keys for a client of `endpoints.client` in this process (None: a plain socket)."""
+        if self.client_curve is not None:
+            return client_keys(self.client_curve.public)
+        return self.keys["launcher"] if self.endpoints.client in self.keys["frontend"].servers else None
+
+    def _spawn(self, name: str, module: str, *extra: str) -> None:
+        env = {**os.environ, **self.process_env(name)}
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)
-        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, pass_fds=pass_fds)
+        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, pass_fds=self.endpoints.fds_of(name))
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Start every process and wait until all are ready; returns the frontend's engine info.
 
         Raises `EngineStartError` (after stopping everything) if a process fails or the timeout passes.
         """
-        self.control = ipc.make_socket(self.ctx, zmq.PULL, self.endpoints.control, bind=True)
         tp = self.config.tensor_parallel_size
         try:
+            self.control = self.endpoints.make_socket(self.ctx, zmq.PULL, self.endpoints.control, bind=True)
             for rank in range(tp):
                 if rank in self.local_ranks:
                     self._spawn(f"worker-tp{rank}", "workers", "--rank", str(rank))
                 elif self.on_external_worker is not None:
-                    self.on_external_worker(rank, self.worker_command(rank))
+                    self.on_external_worker(rank, *self.worker_command(rank))
             self._spawn("scheduler", "scheduler_proc")
-            listener_fds = (self.endpoints.client_fd,) if self.client_listener is not None else ()
-            self._spawn("frontend", "frontend", pass_fds=listener_fds)
-            self._release_client_listener()  # the frontend holds the port now: its exit must free it
+            self._spawn("frontend", "frontend")
+            # Each port is held by the process that binds it now: its exit must free it.
+            self._release_client_listener()
+            self.endpoints.release_ports()
             waiting = set(self.procs) | {f"worker-tp{r}" for r in range(tp)}
             deadline = time.monotonic() + timeout_s
             while waiting:
@@ -202,6 +227,7 @@ class EngineProcesses:
         self._release_client_listener()
         if self.config.profile_dir and profile_grace:
             timeout_s = max(timeout_s, PROFILE_SHUTDOWN_S)
+        self.endpoints.release_ports()
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
         try:

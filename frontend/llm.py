@@ -45,7 +45,8 @@ class LLM:
         self.engine = EngineProcesses(EngineConfig(model=model, **kwargs))
         self.config = self.engine.config
         self.info = self.engine.start()
-        self.client = EngineClient(self.engine.endpoints.client, liveness=self.engine.check)
+        self.client = EngineClient(self.engine.endpoints.client, liveness=self.engine.check,
+                                   curve=self.engine.client_keys())
         self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.client)
         atexit.register(self._finalizer)
         self._tokenizer: Any = None

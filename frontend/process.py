@@ -28,11 +28,12 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.errors import ExplainedError
+from common.errors import ExplainedError, quote, shorten
 from common.limits import prompt_limit_error, token_id_range_error
-from common.proc import engine_process_main, signal_name, stop_signals_deferred
+from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
+    MAX_REQUEST_ID_CHARS,
     Abort,
     AbortSeqs,
     AddRequests,
@@ -123,7 +124,8 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
                                                  continue_final_message=req.continue_final_message, tokenize=False,
                                                  **req.chat_template_kwargs)
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
-            raise ValueError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from None
+            why = f"the chat template refused these messages: {type(exc).__name__}: {exc}"
+            raise ValueError(shorten(why)) from None
         special = False
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(f"the prompt has {len(text)} characters: more than max_model_len tokens for sure "
@@ -152,10 +154,11 @@ class FrontendProcess:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.ctx = zmq.Context.instance()
-        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
-        self.from_scheduler = ipc.make_socket(self.ctx, zmq.PULL, endpoints.frontend_in, bind=True)
-        self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.scheduler_in, bind=False)
-        self.clients = ipc.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True, fd=endpoints.client_fd)
+        self.control = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.from_scheduler = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.frontend_in, bind=True)
+        self.to_scheduler = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.scheduler_in, bind=False)
+        self.clients = endpoints.make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True,
+                                             max_message_bytes=config.max_message_bytes)
         self.last_seen: dict[bytes, float] = {}  # client identity -> time.monotonic() of its last message
         self.client_silence_s = envs.client_silence_s()
         self.scheduler_timeout_s = envs.scheduler_timeout_s()
@@ -163,6 +166,7 @@ class FrontendProcess:
         self.client_address = endpoints.client
         self.endpoints = endpoints
         self.requests: dict[int, RequestState] = {}  # by seq_id
+        self.not_started: set[int] = set()  # seq ids of requests without a first token yet (max_waiting_requests)
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
         self.next_seq_id = 0
         eos = set(config.eos_token_ids)
@@ -189,7 +193,8 @@ class FrontendProcess:
     def engine_info_dict(self) -> dict[str, Any]:
         return {"model": self.config.model, "max_model_len": self.config.max_model_len,
                 "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
-                "vocab_size": self.config.vocab_size, **self.ready_info}
+                "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
+                "max_waiting_requests": self.config.max_waiting_requests, **self.ready_info}
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -199,7 +204,8 @@ class FrontendProcess:
         try:
             self._serve_loop()
         except BaseException as exc:
-            self._fail_pending(shutdown_reason(exc, self.endpoints.read_stop_reason()))
+            why = self.endpoints.read_stop_reason() or (LAUNCHER_GONE if launcher_gone() else None)
+            self._fail_pending(shutdown_reason(exc, why))
             raise
 
     def _serve_loop(self) -> None:
@@ -278,6 +284,7 @@ class FrontendProcess:
                 per_client[st.client].append(out)
             self.requests.clear()
             self.by_client.clear()
+            self.not_started.clear()
             if per_client:
                 log.warning("failing %s: %s", count(sum(map(len, per_client.values())), "pending request"), why)
             for client, outputs in per_client.items():
@@ -290,9 +297,9 @@ class FrontendProcess:
         self.last_seen[client] = time.monotonic()
         try:
             msg = decode(raw)
-        except ProtocolError as exc:
-            log.warning("malformed message from a client: %s", exc)
-            self._reply(client, ErrorReply(f"malformed message: {exc}"))
+        except ProtocolError as exc:  # the message quotes at most a few hundred characters of the input
+            log.warning("malformed message from a client: %s", shorten(str(exc)))
+            self._reply(client, ErrorReply(shorten(f"malformed message: {exc}")))
             return
         if isinstance(msg, Submit):
             self._submit(client, msg)
@@ -317,7 +324,18 @@ class FrontendProcess:
         rejected: list[RequestOutput] = []
         taken: list[str] = []  # ids of live requests: refused apart, so that no output reads as the live one's
         beat = time.monotonic()
-        for req in msg.requests:
+        cap = self.config.max_waiting_requests
+        for i, req in enumerate(msg.requests):
+            if len(req.request_id) > MAX_REQUEST_ID_CHARS:  # not echoed back: the client gets no output for it
+                self._reply(client, ErrorReply(f"request {i} of the submission is refused: its request_id has "
+                                               f"{len(req.request_id)} characters, at most {MAX_REQUEST_ID_CHARS} "
+                                               f"are allowed ({quote(req.request_id)})"))
+                continue
+            if cap is not None and len(self.not_started) + len(accepted) >= cap:  # refused before any work
+                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=(
+                    f"the engine is overloaded: {len(self.not_started) + len(accepted)} requests are waiting to start, "
+                    f"the most max_waiting_requests (--max-waiting-requests) allows is {cap}; try again later")))
+                continue
             if time.monotonic() - beat > KEEPALIVE_S:  # a long batch: tell waiting clients this engine lives
                 beat = time.monotonic()
                 for waiting in self.last_seen:
@@ -329,7 +347,8 @@ class FrontendProcess:
             try:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:
-                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=str(exc),
+                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                              error=shorten(str(exc)),
                                               num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0)))
                 continue
             self.requests[state.seq_id] = state
@@ -337,13 +356,14 @@ class FrontendProcess:
             accepted.append(engine_req)
         if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
             first = rejected[0].request_id if rejected else taken[0]
-            why = f"not run: request {first!r} of the same all-or-nothing submission was rejected"
+            why = f"not run: request {quote(first)} of the same all-or-nothing submission was rejected"
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]
                 rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why))
             accepted = []
         if accepted:
+            self.not_started.update(r.seq_id for r in accepted)
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
@@ -351,7 +371,7 @@ class FrontendProcess:
             self._reply(client, ErrorReply(
                 f"refused {count(len(taken), 'submitted request')} without running: the id of each is that of a "
                 f"live request of this client, which goes on (a request id must be unique among the client's live "
-                f"requests): {taken}", refused_request_ids=taken))
+                f"requests): {quote(taken)}", refused_request_ids=taken))
         self.phases.end()
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
@@ -402,6 +422,7 @@ class FrontendProcess:
                 continue
             if not st.first_token_time:
                 st.first_token_time = now
+                self.not_started.discard(seq_id)
             piece = st.detokenizer.step(token)
             if st.stream:
                 st.new_token_ids.append(token)
@@ -417,6 +438,7 @@ class FrontendProcess:
                 continue
             touched.pop(fin.seq_id, None)
             self.by_client.pop((st.client, st.request_id), None)
+            self.not_started.discard(fin.seq_id)
             tail = st.detokenizer.flush()
             if st.stream:
                 st.new_text += tail
@@ -455,6 +477,9 @@ class FrontendProcess:
             # The launcher may be removing the whole run folder at this moment: a file already gone is fine.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.client_address[len("ipc://"):])
+
+
+LAUNCHER_GONE = "the launcher (the engine's parent process) is gone: it was killed or crashed"
 
 
 class PromptRejected(ValueError):

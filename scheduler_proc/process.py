@@ -51,6 +51,7 @@ from common.protocol import (
 )
 from common.units import count
 from scheduler_proc.scheduler import Scheduler, SchedulerConfig
+from scheduler_proc.watchdog import StepShape, StepWatchdog
 
 log = logging.getLogger("deltaserve.scheduler")
 HEARTBEAT_S = 2.0  # an idle scheduler pings the workers this often
@@ -62,15 +63,15 @@ class SchedulerProcess:
         self.config = config
         self.endpoints = endpoints
         self.ctx = zmq.Context.instance()
-        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
-        self.from_frontend = ipc.make_socket(self.ctx, zmq.PULL, endpoints.scheduler_in, bind=True)
-        self.from_workers = ipc.make_socket(self.ctx, zmq.PULL, endpoints.worker_out, bind=True)
-        self.to_workers = [ipc.make_socket(self.ctx, zmq.PUSH, a, bind=True) for a in endpoints.plans]
-        self.to_frontend = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
+        self.control = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.from_frontend = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.scheduler_in, bind=True)
+        self.from_workers = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.worker_out, bind=True)
+        self.to_workers = [endpoints.make_socket(self.ctx, zmq.PUSH, a, bind=True) for a in endpoints.plans]
+        self.to_frontend = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
-        self.unfinished: dict[int, float] = {}  # step id -> when its plan was sent (monotonic)
         self.step_timeout_s = envs.step_timeout_s()  # its CPU default once the workers say where they run
+        self.watchdog = StepWatchdog(self.step_timeout_s, envs.step_timeout_floor_s())
         self.check_invariants = envs.check_invariants()
         self.step_log = StepLog("scheduler")
         self.profiling = SchedulerProfiling(config, run_id_of(endpoints.run_dir), self._send_workers,
@@ -86,6 +87,7 @@ class SchedulerProcess:
             if isinstance(msg, WorkerReady):
                 ready[msg.rank] = msg
         self.step_timeout_s = envs.step_timeout_s(on_cpu=any(r.device == "cpu" for r in ready.values()))
+        self.watchdog = StepWatchdog(self.step_timeout_s, envs.step_timeout_floor_s())
         num_blocks = min(r.max_num_kv_blocks for r in ready.values())
         if num_blocks <= 0:
             raise ExplainedError(
@@ -118,7 +120,8 @@ class SchedulerProcess:
                        f"{cfg.max_model_len}: longer requests stop with finish reason 'length'")
             log.warning(warning)
         info = {"kv_bytes_per_block": ready[0].kv_bytes_per_block, "devices": [ready[r].device for r in sorted(ready)],
-                "step_timeout_s": self.step_timeout_s, "warning": warning}
+                "step_timeout_s": self.step_timeout_s, "step_timeout_floor_s": self.watchdog.floor_s,
+                "warning": warning}
         ipc.send(self.to_frontend, EngineReady(num_blocks, cfg.block_size, info))
         ipc.send(self.control, ProcessReady("scheduler", {"num_kv_blocks": num_blocks}))
         log.info("scheduler ready: %d KV blocks of %d tokens", num_blocks, cfg.block_size)
@@ -191,22 +194,25 @@ class SchedulerProcess:
                 self.last_sent = time.monotonic()
 
     def _check_progress(self) -> None:
-        """Raise `ExplainedError` if the oldest unfinished step is older than DELTASERVE_STEP_TIMEOUT_S.
+        """Raise `ExplainedError` if the oldest unfinished step has run past its bound (`watchdog.py`).
 
         A worker that stops making progress without exiting (SIGSTOP, a hung device, a peer that died
         inside a collective whose kernel now waits forever) would otherwise leave every request
         waiting forever; the raised error ends the scheduler, and the launcher takes the engine down
         with this message.
         """
-        if not self.unfinished or not self.step_timeout_s:
+        stuck = self.watchdog.stuck(time.monotonic())
+        if stuck is None:
             return
-        step_id, sent = next(iter(self.unfinished.items()))  # plans are sent in order: the first is the oldest
-        waited = time.monotonic() - sent
-        if waited > self.step_timeout_s:
-            raise ExplainedError(
-                f"step {step_id} has not finished after {waited:.0f} s (DELTASERVE_STEP_TIMEOUT_S="
-                f"{self.step_timeout_s:g}): a worker is stuck (a stopped process, a hung device, or a peer "
-                "lost inside a collective)")
+        if stuck.longest_s is None:
+            why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g} for a step unlike any measured so far"
+        else:
+            why = (f"{self.watchdog.factor:g} times the longest step like it so far, {stuck.longest_s:.3g} s, "
+                   f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g} and at most "
+                   f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}")
+        raise ExplainedError(
+            f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s (its bound is {stuck.bound_s:.0f} s: "
+            f"{why}): a worker is stuck (a stopped process, a hung device, or a peer lost inside a collective)")
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""
@@ -248,7 +254,7 @@ class SchedulerProcess:
             return
         t0 = time.perf_counter()
         self.phases.begin("process result", msg.step_id)
-        self.unfinished.pop(msg.step_id, None)
+        self.watchdog.finished(msg.step_id, time.monotonic())
         outputs = sched.process_result(msg)
         ipc.send(self.to_frontend, outputs)
         self.phases.end()
@@ -274,8 +280,9 @@ class SchedulerProcess:
         self.phases.end()
         self.profiling.after_plan(plan.step_id)
         self.last_sent = time.monotonic()
-        if plan.step_id >= 0:  # step -1 only tells workers which requests finished: nothing answers it
-            self.unfinished[plan.step_id] = self.last_sent
+        if plan.step_id >= 0 and self.watchdog.unseen_s:  # step -1 only says what finished: nothing answers it
+            seqs = sched.seqs
+            self.watchdog.sent(plan.step_id, StepShape.of(plan, lambda i: seqs[i].num_computed_tokens), self.last_sent)
         if self.step_log.enabled:
             self.step_log.write({
                 "step": plan.step_id, "t_sent": t1, "schedule_ms": (t1 - t0) * 1e3, "plan_bytes": len(data),

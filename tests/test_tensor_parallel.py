@@ -153,8 +153,8 @@ def test_a_worker_started_by_hand_joins_over_tcp(tiny_qwen3: Path) -> None:
     reaching the scheduler and the torch.distributed rendezvous over tcp:// addresses."""
     started: list[subprocess.Popen] = []
 
-    def start_elsewhere(rank: int, argv: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+    def start_elsewhere(rank: int, argv: list[str], env: dict[str, str]) -> None:
+        env = {**os.environ, **env, "PYTHONPATH": str(REPO)}  # the printed command sets the same variables
         started.append(subprocess.Popen(argv, cwd=REPO, env=env))
 
     config = EngineConfig(model=str(tiny_qwen3), device="cpu", block_size=16, max_model_len=512,
@@ -167,7 +167,7 @@ def test_a_worker_started_by_hand_joins_over_tcp(tiny_qwen3: Path) -> None:
     try:
         engine.start()
         assert set(engine.procs) == {"worker-tp0", "scheduler", "frontend"} and len(started) == 1
-        client = EngineClient(engine.endpoints.client, liveness=engine.check)
+        client = EngineClient(engine.endpoints.client, liveness=engine.check, curve=engine.client_keys())
         out = list(client.generate(ID_PROMPTS[1], GREEDY, stream=False))[-1]
         client.close()
         assert out.token_ids == hf_greedy(str(tiny_qwen3), tuple(ID_PROMPTS[1]))

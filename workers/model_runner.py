@@ -123,7 +123,7 @@ def _host_memory_available() -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int, dist_init: str) -> None:
+    def __init__(self, config: EngineConfig, rank: int, dist_init: str, dist_listen_fd: int = -1) -> None:
         assert config.max_model_len is not None, "the launcher resolves the config first"
         self.config = config
         self.rank = rank
@@ -132,7 +132,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype)
+        init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype, dist_listen_fd)
         torch.manual_seed(config.seed)
         enable_compilation(self.device.type == "cuda" and not config.enforce_eager)
         with torch.device(self.device), default_dtype(self.dtype):

@@ -22,12 +22,14 @@ import re
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from common import envs
 from common.errors import ExplainedError
+from common.ipc import listen_on
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +87,16 @@ class PeerAllReduce:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
-                         dtype: torch.dtype = torch.bfloat16) -> None:
+                         dtype: torch.dtype = torch.bfloat16, listen_fd: int = -1) -> None:
     """Join the tensor-parallel group (no-op for a single worker).
 
-    `init_method` is a tcp://host:port rendezvous address. Collectives time out after 60 s, so a
-    dead peer ends the process with an error instead of a hang. On CUDA the peer-memory all-reduce
-    is set up too, for tensors of `dtype` (the model's); if the devices cannot map each other's
-    memory, NCCL does every all-reduce.
+    `init_method` is the tcp://host:port rendezvous address; rank 0 serves it (a `TCPStore`) on that
+    host only, through `listen_fd` when the launcher handed it the listening socket (held since the
+    address was chosen, so no other process can take the port), else on a socket it binds there
+    itself. (torch's own tcp:// rendezvous would listen on every interface.) Collectives time out after
+    60 s, so a dead peer ends the process with an error instead of a hang. On CUDA the peer-memory
+    all-reduce is set up too, for tensors of `dtype` (the model's); if the devices cannot map each
+    other's memory, NCCL does every all-reduce.
     """
     global _rank, _world_size, _peer_all_reduce
     _rank, _world_size = rank, world_size
@@ -99,8 +104,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60), **kwargs)
+    timeout = timedelta(seconds=60)
+    store = rendezvous_store(init_method, rank, world_size, timeout, listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     if device.type == "cuda" and envs.all_reduce_impl() == "auto":
         try:
             _peer_all_reduce = PeerAllReduce(device, PEER_ALL_REDUCE_MAX_BYTES, dtype)
@@ -116,6 +122,23 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
         logger.info("tensor parallel: %d ranks over %s; all-reduce %s", world_size, backend,
                     f"one-shot peer memory up to {PEER_ALL_REDUCE_MAX_BYTES >> 20} MiB, NCCL above"
                     if _peer_all_reduce else backend)
+
+
+def rendezvous_store(address: str, rank: int, world_size: int, timeout: timedelta, listen_fd: int = -1) -> dist.Store:
+    """The torch.distributed store at tcp://host:port `address`: served by rank 0 on `host` alone (through the
+    listening socket `listen_fd` if >= 0), a client of it elsewhere. Raises `ValueError` for an address that
+    is not tcp://host:port or a host rank 0 cannot listen on."""
+    url = urlparse(address)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"the rendezvous address must be tcp://host:port, got {address!r}")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
+    listener = None
+    if listen_fd < 0:
+        listener = listen_on(url.hostname, url.port)
+        listen_fd = listener.detach()  # the store owns the socket from here on
+    return dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listen_fd)
 
 
 def destroy_tensor_parallel() -> None:

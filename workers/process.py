@@ -58,11 +58,11 @@ class WorkerProcess:
         self.rank = rank
         self.external = external  # started by hand (no launcher parent): watch the scheduler's heartbeat
         self.ctx = zmq.Context.instance()
-        self.control = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
-        self.plans = ipc.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
-        self.results = ipc.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
+        self.control = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
+        self.plans = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
+        self.results = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
         self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
-        self.runner = ModelRunner(config, rank, endpoints.dist_init)
+        self.runner = ModelRunner(config, rank, endpoints.dist_init, endpoints.listen_fds.get(endpoints.dist_init, -1))
         self.step_log = StepLog(f"worker-tp{rank}")
         device = str(resolve_device(config.device, rank))
         self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)

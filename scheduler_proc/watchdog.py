@@ -1,0 +1,123 @@
+"""The step watchdog: how long a step may stay unfinished before the workers count as stuck.
+
+A worker that stops making progress without exiting (SIGSTOP, a hung device, a peer lost inside a
+collective) would leave every request waiting forever, and a fixed timeout long enough for the
+slowest legitimate step (a CPU prefill chunk of 8k tokens took 203 s) would take an hour to notice a
+stopped CPU worker. So the bound is relative to what this engine has measured:
+
+- A step's *shape* is the pair (power-of-two bucket of its scheduled tokens, power-of-two bucket of
+  the context tokens its rows attend to, their sum over rows). A step's time grows with both, and
+  within one bucket of each they vary by at most 2x, so steps of one shape take about as long.
+- A step of a shape seen before may take `factor` (20) times the longest step of that shape so far,
+  and at least `floor_s` (DELTASERVE_STEP_TIMEOUT_FLOOR_S, 60 s).
+- A step of an unseen shape takes the bound of the cheapest seen shape that is at least as large in
+  both buckets (more work takes longer); when there is none (the first large prefill), it gets the
+  generous `unseen_s` (DELTASERVE_STEP_TIMEOUT_S: 300 s on GPUs, 3600 s on CPU), which also caps
+  every bound.
+
+A step is timed from when the workers could start it: when its plan was sent, or when the step
+before it finished, whichever is later (steps are pipelined: a plan waits behind the one in flight).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.protocol import StepPlan
+
+STEP_TIMEOUT_FACTOR = 20.0
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    """Power-of-two buckets (`int.bit_length`) of a step's scheduled tokens and attended context tokens."""
+
+    tokens_bucket: int
+    context_bucket: int
+
+    @classmethod
+    def of(cls, plan: StepPlan, context_len: Callable[[int], int]) -> StepShape:
+        """The shape of `plan`; `context_len(seq_id)` is a request's context after the step (its computed
+        tokens, this step's included)."""
+        tokens = (sum(r.num_scheduled_tokens for r in plan.new_requests)
+                  + sum(r.num_scheduled_tokens for r in plan.resumed_requests)
+                  + int(plan.prefill_num_tokens.sum()) + len(plan.decode_seq_ids))
+        context = (sum(r.num_computed_tokens + r.num_scheduled_tokens for r in plan.new_requests)
+                   + sum(r.num_computed_tokens + r.num_scheduled_tokens for r in plan.resumed_requests)
+                   + sum(context_len(i) for i in plan.prefill_seq_ids.tolist())
+                   + sum(context_len(i) for i in plan.decode_seq_ids.tolist()))
+        return cls(int(tokens).bit_length(), int(context).bit_length())
+
+    def covers(self, other: StepShape) -> bool:
+        """Whether a step of this shape does at least the work of one of `other`."""
+        return self.tokens_bucket >= other.tokens_bucket and self.context_bucket >= other.context_bucket
+
+
+@dataclass
+class _InFlight:
+    shape: StepShape
+    sent: float  # time.monotonic() when its plan went out
+
+
+@dataclass(frozen=True)
+class StuckStep:
+    """A step over its bound: what the error message tells."""
+
+    step_id: int
+    waited_s: float
+    bound_s: float
+    longest_s: float | None  # the longest step of its shape (or of the shape that bounds it); None: none seen
+
+
+class StepWatchdog:
+    """Times the steps in flight against bounds learned from finished ones (the module docstring).
+
+    `unseen_s` 0 turns the watchdog off. Times are `time.monotonic()` seconds, passed in by the caller.
+    """
+
+    def __init__(self, unseen_s: float, floor_s: float, factor: float = STEP_TIMEOUT_FACTOR) -> None:
+        self.unseen_s = unseen_s
+        self.floor_s = floor_s
+        self.factor = factor
+        self.longest: dict[StepShape, float] = {}  # shape -> longest step time seen (seconds)
+        self.in_flight: OrderedDict[int, _InFlight] = OrderedDict()  # step id -> its shape and send time, in order
+        self.last_finished = 0.0
+
+    def sent(self, step_id: int, shape: StepShape, now: float) -> None:
+        self.in_flight[step_id] = _InFlight(shape, now)
+
+    def finished(self, step_id: int, now: float) -> None:
+        step = self.in_flight.pop(step_id, None)
+        if step is None:
+            return
+        took = now - max(step.sent, self.last_finished)
+        self.last_finished = now
+        if took > self.longest.get(step.shape, -1.0):
+            self.longest[step.shape] = took
+
+    def bound_s(self, shape: StepShape) -> tuple[float, float | None]:
+        """(seconds a step of `shape` may take, the longest step time that set it or None)."""
+        longest = self.longest.get(shape)
+        if longest is None:  # the cheapest larger shape seen: its steps did more work
+            bounds = [(self._relative(t), t) for s, t in self.longest.items() if s.covers(shape)]
+            if not bounds:
+                return self.unseen_s, None
+            bound, longest = min(bounds)
+            return bound, longest
+        return self._relative(longest), longest
+
+    def _relative(self, longest_s: float) -> float:
+        return min(self.unseen_s, max(self.floor_s, self.factor * longest_s))
+
+    def stuck(self, now: float) -> StuckStep | None:
+        """The oldest step in flight if it has run past its bound, else None."""
+        if not self.in_flight or not self.unseen_s:
+            return None
+        step_id, step = next(iter(self.in_flight.items()))  # plans are sent in order: the first is the oldest
+        waited = now - max(step.sent, self.last_finished)
+        bound, longest = self.bound_s(step.shape)
+        if waited <= bound:
+            return None
+        return StuckStep(step_id, waited, bound, longest)
