@@ -29,7 +29,9 @@ def vanish_after_check(monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
     monkeypatch.setattr(os.path, "exists", exists_then_removed)
 
 
-class _Socket:
+class _Closable:
+    """A socket or a profiling session: close() is all the frontend's close() asks of them."""
+
     def close(self) -> None:
         pass
 
@@ -39,7 +41,8 @@ def test_the_frontend_closes_cleanly_when_its_socket_file_is_removed_meanwhile(
     path = tmp_path / "client"
     path.touch()
     frontend = FrontendProcess.__new__(FrontendProcess)  # only what close() uses
-    frontend.control = frontend.from_scheduler = frontend.to_scheduler = frontend.clients = _Socket()
+    frontend.control = frontend.from_scheduler = frontend.to_scheduler = frontend.clients = _Closable()
+    frontend.profiling = _Closable()
     frontend.client_address = f"ipc://{path}"
     vanish_after_check(monkeypatch, path)
 
