@@ -116,7 +116,8 @@ class WorkerProcess:
         step.timings["wait_ms"] = (t1 - t0) * 1e3
         step.timings["t_done"] = t1  # time.perf_counter() is one clock for every process of the host
         if self.rank == 0:
-            ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
+            ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
+                                              step.prompt_logprobs))
         self.step_log.write({"step": step.step_id, **step.timings})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
