@@ -254,9 +254,12 @@ def test_penalty_counts_follow_the_tokens_sampled_on_the_device() -> None:
     x, d, proc = process([st], logits)
     proc.record_sampled(d, torch.tensor([42]))
     proc.record_sampled(d, torch.tensor([42]))
-    assert proc.penalties.output_counts[2, 42] == 2 and proc.penalties.output_counts[2].sum() == 2
-    proc.penalties.reset_rows([state(2, SamplingOptions(frequency_penalty=1.0), prompt=[1], output=[5])])
-    assert proc.penalties.output_counts[2, 42] == 0 and proc.penalties.output_counts[2, 5] == 1
+    penalties = proc.penalties
+    assert penalties.output_counts[2, 42] == 2 and penalties.output_counts[2].sum() == 2
+    assert penalties.seen[2].nonzero().flatten().tolist() == [1, 42]  # the prompt token and the sampled one
+    penalties.reset_rows([state(2, SamplingOptions(frequency_penalty=1.0), prompt=[1], output=[5])])
+    assert penalties.output_counts[2, 42] == 0 and penalties.output_counts[2, 5] == 1
+    assert penalties.seen[2].nonzero().flatten().tolist() == [1, 5]
 
 
 def test_min_tokens_masks_stop_tokens_until_enough_were_generated() -> None:

@@ -28,7 +28,9 @@ from workers.logits_processing import (
     ProcessingInputs,
     PromptLogprobsInputs,
     build_processing,
+    has_sparse_parameters,
     is_processed,
+    parameter_row,
     uses_penalties,
 )
 
@@ -38,7 +40,7 @@ class ReqState:
 
     __slots__ = ("seq_id", "row", "tokens", "num_tokens", "num_tokens_cpu", "num_computed", "num_blocks",
                  "temperature", "seed", "active", "num_prompt_tokens", "options", "processed", "penalized",
-                 "prompt_logprobs_next")
+                 "prompt_logprobs_next", "parameter_row", "sparse")
 
     def __init__(self, seq_id: int, temperature: float, seed: int | None,
                  options: SamplingOptions | None = None) -> None:
@@ -56,6 +58,8 @@ class ReqState:
         self.options = options
         self.processed = is_processed(options)  # its logits go through workers/logits_processing.py
         self.penalized = uses_penalties(options)  # it keeps token counts on the device
+        self.parameter_row = parameter_row(options) if options is not None else ()
+        self.sparse = options is not None and has_sparse_parameters(options)
         # The next prompt token whose logprob is reported (prompt_logprobs); each is reported once, also
         # when a preempted request computes its prompt again.
         self.prompt_logprobs_next = 1
@@ -85,7 +89,6 @@ class StepInputs:
     processing: ProcessingInputs | None = None  # the sampling rows that go through logits processing
     prompt_logprobs: PromptLogprobsInputs | None = None
     forks: list[tuple[ReqState, ReqState]] = field(default_factory=list)  # (fork, parent), sampling after the rows
-    admitted_penalized: list[ReqState] = field(default_factory=list)  # took a row this step: rebuild its counts
 
 
 class InputBatch:
@@ -100,6 +103,7 @@ class InputBatch:
         self._free_rows = list(range(max_num_seqs))  # a heap: lowest row first
         self.forks: list[tuple[ReqState, ReqState]] = []  # of the plan just applied: (fork, parent)
         self.admitted_penalized: list[ReqState] = []  # of the plan just applied
+        self.num_processed = 0  # live requests whose logits are processed: none, and a step skips that path
 
     # ------------------------------------------------------------------ plan deltas
     def _take_row(self, st: ReqState) -> None:
@@ -121,7 +125,7 @@ class InputBatch:
     def apply(self, plan: StepPlan) -> list[tuple[ReqState, int]]:
         """Apply a plan's deltas; return the step's (request, scheduled tokens) rows in row order. The
         plan's forked requests are left in `forks` for `prepare`, and the penalized requests that took a
-        row in `admitted_penalized`.
+        row in `admitted_penalized` (their device token counts are rebuilt before `prepare`).
 
         Raises `KeyError` if the plan names a request this worker does not hold (a protocol bug).
         """
@@ -132,6 +136,7 @@ class InputBatch:
             if st is not None:
                 st.active = False
                 self._release_row(st)
+                self.num_processed -= st.processed
         for seq_id in plan.preempted_seq_ids.tolist():
             st = self.reqs[seq_id]
             st.tokens = st.tokens[: st.num_tokens].copy()  # keep its tokens (a late one lands here too)
@@ -149,6 +154,7 @@ class InputBatch:
             self._set_blocks(st, req.block_ids)
             self.reqs[req.seq_id] = st
             scheduled.append((st, req.num_scheduled_tokens))
+            self.num_processed += st.processed
             if st.penalized:
                 self.admitted_penalized.append(st)
         for req in plan.resumed_requests:
@@ -183,6 +189,7 @@ class InputBatch:
             st.num_tokens = st.num_tokens_cpu = n
             self._set_blocks(st, fork.block_ids)
             reqs[fork.seq_id] = st
+            self.num_processed += st.processed
             self.forks.append((st, parent))
         return scheduled
 
@@ -220,8 +227,8 @@ class InputBatch:
             sampling_states = sampling_states + [f for f, _ in forks]
         seeded = [(i, st.seed, st.num_tokens) for i, st in enumerate(sampling_states) if st.seed is not None]
         temperatures = np.fromiter((st.temperature for st in sampling_states), np.float32, len(sampling_states))
-        processing = build_processing(sampling_states, temperatures, self.vocab_size) if any(
-            st.processed for st in sampling_states) else None
+        processing = build_processing(sampling_states, temperatures, self.vocab_size, sampling_rows) if (
+            self.num_processed) else None
         prompt_logprobs = self._prompt_logprob_positions(scheduled, start, query_start_loc)
         for st, n in scheduled:
             st.num_computed += n
@@ -250,7 +257,6 @@ class InputBatch:
             processing=processing,
             prompt_logprobs=prompt_logprobs,
             forks=forks,
-            admitted_penalized=self.admitted_penalized,
         )
 
     @staticmethod

@@ -30,6 +30,8 @@ Top-k/top-p without a sort of the whole vocabulary: rows with 0 < k <= TOPK_CAND
 candidates from `torch.topk(k_max)`; only rows with top-p and no (or a very large) top-k sort the whole
 row. Token counts for the penalties (`PenaltyState`) stay on the device and are updated there after each
 sampling step, so a token still on its way to the host is counted (no new wire traffic, no host sync).
+On CUDA the element-wise steps are compiled into one kernel each (`workers/layers/fused.py`), and a step
+that covers every processed row works on the whole tensor without gathering it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 
 from common.protocol import SamplingOptions
+from workers.layers.fused import fused
 
 if TYPE_CHECKING:
     from workers.input_batch import ReqState
@@ -95,31 +98,53 @@ class ProcessingInputs:
     uses_frequency_presence: bool = False
 
 
-def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_size: int) -> ProcessingInputs | None:
+def parameter_row(options: SamplingOptions) -> tuple[float, ...]:
+    """A request's per-row parameters, computed once: (top_k, top_p, min_p, repetition, frequency, presence,
+    logprobs); `build_processing` stacks these rows."""
+    o = options
+    return (o.top_k, o.top_p, o.min_p, o.repetition_penalty, o.frequency_penalty, o.presence_penalty, o.logprobs)
+
+
+def has_sparse_parameters(options: SamplingOptions) -> bool:
+    """Whether the request adds (row, token) entries: a logit bias, bad words or min_tokens."""
+    return bool(options.logit_bias or options.bad_words or options.min_tokens > 0)
+
+
+def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_size: int,
+                     batch_rows: np.ndarray | None = None) -> ProcessingInputs | None:
     """The processed rows among a step's sampling rows `states` (before their counters advance), or None.
 
-    `temperatures`: `[S]` float32 of the step (0 = greedy). Bad-word prefixes are matched against the
-    output tokens on the host; the last one may still be on its way from the device, in which case the
-    ban is made conditional on the device's last sampled token (`ban_after`).
+    `temperatures`: `[S]` float32 of the step (0 = greedy); `batch_rows`: `[S]` the states' rows (read from
+    them if None). Bad-word prefixes are matched against the output tokens on the host; the last one may
+    still be on its way from the device, in which case the ban is made conditional on the device's last
+    sampled token (`ban_after`).
     """
-    picked = [i for i, st in enumerate(states) if st.processed]
-    if not picked:
-        return None
-    r = len(picked)
-    opts = [states[i].options for i in picked]
+    flags = [st.processed for st in states]
+    if all(flags):
+        picked: np.ndarray | list[int] = np.arange(len(states))
+        picked_states = states
+    else:
+        picked = [i for i, f in enumerate(flags) if f]
+        if not picked:
+            return None
+        picked_states = [states[i] for i in picked]
+    if batch_rows is None:
+        batch_rows = np.fromiter((st.row for st in states), np.int64, len(states))
+    table = np.array([st.parameter_row for st in picked_states], dtype=np.float64)  # [R, 7]
     greedy = temperatures[picked] <= 0
-    top_k = np.array([o.top_k if 0 < o.top_k < vocab_size else 0 for o in opts], dtype=np.int64)
+    top_k = table[:, 0].astype(np.int64)
+    top_k[(top_k <= 0) | (top_k >= vocab_size) | greedy] = 0
+    repetition, frequency, presence = (table[:, c].astype(np.float32) for c in (3, 4, 5))
     bias_rows: list[int] = []
     bias_tokens: list[int] = []
     bias_values: list[float] = []
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     ban_after: list[int] = []
-    penalty_rows: list[int] = []
-    logprob_rows: list[int] = []
-    logprob_counts: list[int] = []
-    for j, i in enumerate(picked):
-        st, o = states[i], opts[j]
+    for j, st in enumerate(picked_states):
+        if not st.sparse:
+            continue
+        o = st.options
         if o.logit_bias:
             bias_rows.extend([j] * len(o.logit_bias))
             bias_tokens.extend(o.logit_bias)
@@ -135,38 +160,34 @@ def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_siz
                 ban_rows.append(j)
                 ban_tokens.append(word[-1])
                 ban_after.append(after)
-        if st.penalized:
-            penalty_rows.append(j)
-        if o.logprobs >= 0:
-            logprob_rows.append(j)
-            logprob_counts.append(o.logprobs)
     i64 = np.int64
-    inputs = ProcessingInputs(
+    uses_repetition = repetition != 1.0
+    uses_frequency_presence = (frequency != 0) | (presence != 0)
+    logprob_rows = np.flatnonzero(table[:, 6] >= 0)
+    return ProcessingInputs(
         rows=np.asarray(picked, dtype=i64),
-        batch_rows=np.fromiter((states[i].row for i in picked), i64, r),
-        all_rows=r == len(states),
+        batch_rows=np.asarray(batch_rows, dtype=i64)[picked],
+        all_rows=len(picked) == len(states),
         temperatures=np.where(greedy, 1.0, temperatures[picked]).astype(np.float32),
         sample_temperatures=np.where(greedy, 0.0, 1.0).astype(np.float32),
-        top_k=np.where(greedy, 0, top_k),
-        top_p=np.where(greedy, 1.0, [o.top_p for o in opts]).astype(np.float32),
-        min_p=np.where(greedy, 0.0, [o.min_p for o in opts]).astype(np.float32),
-        repetition=np.array([o.repetition_penalty for o in opts], dtype=np.float32),
-        frequency=np.array([o.frequency_penalty for o in opts], dtype=np.float32),
-        presence=np.array([o.presence_penalty for o in opts], dtype=np.float32),
-        penalty_rows=np.asarray(penalty_rows, dtype=i64),
+        top_k=top_k,
+        top_p=np.where(greedy, 1.0, table[:, 1]).astype(np.float32),
+        min_p=np.where(greedy, 0.0, table[:, 2]).astype(np.float32),
+        repetition=repetition,
+        frequency=frequency,
+        presence=presence,
+        penalty_rows=np.flatnonzero(uses_repetition | uses_frequency_presence),
         bias_rows=np.asarray(bias_rows, dtype=i64),
         bias_tokens=np.asarray(bias_tokens, dtype=i64),
         bias_values=np.asarray(bias_values, dtype=np.float32),
         ban_rows=np.asarray(ban_rows, dtype=i64),
         ban_tokens=np.asarray(ban_tokens, dtype=i64),
         ban_after=np.asarray(ban_after, dtype=i64),
-        logprob_rows=np.asarray(logprob_rows, dtype=i64),
-        logprob_counts=np.asarray(logprob_counts, dtype=i64),
+        logprob_rows=logprob_rows,
+        logprob_counts=table[logprob_rows, 6].astype(i64),
+        uses_repetition=bool(uses_repetition.any()),
+        uses_frequency_presence=bool(uses_frequency_presence.any()),
     )
-    pr = inputs.penalty_rows
-    inputs.uses_repetition = bool((inputs.repetition[pr] != 1.0).any())
-    inputs.uses_frequency_presence = bool(((inputs.frequency[pr] != 0) | (inputs.presence[pr] != 0)).any())
-    return inputs
 
 
 def worst_case_inputs(n: int) -> ProcessingInputs:
@@ -223,8 +244,9 @@ class DeviceProcessing:
     def __init__(self, host: ProcessingInputs, device: torch.device) -> None:
         self.host = h = host
         pr = h.penalty_rows
-        fast = np.flatnonzero((h.top_k > 0) & (h.top_k <= TOPK_CANDIDATES))
-        full = np.flatnonzero(((h.top_p < 1.0) | (h.top_k > 0)) & ~np.isin(np.arange(len(h.rows)), fast))
+        is_fast = (h.top_k > 0) & (h.top_k <= TOPK_CANDIDATES)
+        fast = np.flatnonzero(is_fast)
+        full = np.flatnonzero(((h.top_p < 1.0) | (h.top_k > 0)) & ~is_fast)
         self.fast_groups = fast, full  # host copies, for the group sizes and top-k widths
         ints = {"rows": h.rows, "batch_rows": h.batch_rows, "penalty_rows": pr, "penalty_batch_rows": h.batch_rows[pr],
                 "bias_rows": h.bias_rows, "bias_tokens": h.bias_tokens, "ban_rows": h.ban_rows,
@@ -239,7 +261,7 @@ class DeviceProcessing:
 
 
 def _upload_packed(arrays: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, torch.Tensor]:
-    flat = np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays.values()])
+    flat = np.concatenate(list(arrays.values()), dtype=dtype)
     dev = to_device(flat, device)
     out: dict[str, torch.Tensor] = {}
     offset = 0
@@ -258,40 +280,41 @@ def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class PenaltyState:
-    """Per-row token counts on the device, for the requests with penalties: `output_counts[row, token]`
-    (int32, output tokens) and `prompt_mask[row, token]` (bool, prompt tokens). Allocated on first use,
-    `[max_num_seqs, vocab]` each; a row is rebuilt from the host tokens whenever a penalized request
-    takes it (first admission, or resumption after preemption) and then counts each sampled token."""
+    """Per-row token state on the device, for the requests with penalties: `seen[row, token]` (bool: in the
+    prompt or the output; the repetition penalty) and `output_counts[row, token]` (int32: times generated;
+    the frequency and presence penalties). Allocated on first use, `[max_num_seqs, vocab]` each. A row is
+    rebuilt from the host tokens whenever a penalized request takes it (first admission, or resumption
+    after preemption), and then counts each sampled token."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, vocab_size: int) -> None:
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
+        self.seen: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
-        self.prompt_mask: torch.Tensor | None = None
 
     def _ensure(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.output_counts is None:
+        if self.seen is None:
             shape = (self.max_num_seqs, self.vocab_size)
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        assert self.prompt_mask is not None
-        return self.output_counts, self.prompt_mask
+        assert self.output_counts is not None
+        return self.seen, self.output_counts
 
     def reset_rows(self, states: list[ReqState]) -> None:
         """Rebuild the rows of `states` (which hold their rows and all their tokens on the host)."""
         if not states:
             return
-        counts, prompt = self._ensure()
+        seen, counts = self._ensure()
         rows = np.array([st.row for st in states], dtype=np.int64)
-        prompt_tokens = [st.tokens[: st.num_prompt_tokens] for st in states]
+        all_tokens = [st.tokens[: st.num_tokens] for st in states]
         output_tokens = [st.tokens[st.num_prompt_tokens: st.num_tokens] for st in states]
         dev = self.device
         rows_dev = to_device(rows, dev)
         counts[rows_dev] = 0
-        prompt[rows_dev] = False
-        p_rows = np.repeat(rows, [len(t) for t in prompt_tokens])
-        prompt[to_device(p_rows, dev), to_device(np.concatenate(prompt_tokens).astype(np.int64), dev)] = True
+        seen[rows_dev] = False
+        s_rows = np.repeat(rows, [len(t) for t in all_tokens])
+        seen[to_device(s_rows, dev), to_device(np.concatenate(all_tokens).astype(np.int64), dev)] = True
         o_rows = np.repeat(rows, [len(t) for t in output_tokens])
         if len(o_rows):
             o_tokens = to_device(np.concatenate(output_tokens).astype(np.int64), dev)
@@ -299,18 +322,19 @@ class PenaltyState:
                                                                              device=dev), accumulate=True)
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
-        """Row `dst[i]` takes row `src[i]`'s counts (a forked sample starts with its parent's)."""
+        """Row `dst[i]` takes row `src[i]`'s state (a forked sample starts with its parent's)."""
         if not src:
             return
-        counts, prompt = self._ensure()
+        seen, counts = self._ensure()
         s, d = to_device(np.asarray(src, dtype=np.int64), self.device), to_device(np.asarray(dst, dtype=np.int64),
                                                                                   self.device)
         counts[d] = counts[s]
-        prompt[d] = prompt[s]
+        seen[d] = seen[s]
 
     def add_sampled(self, batch_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count one sampled token per row: `output_counts[batch_rows[i], tokens[i]] += 1` (on the device)."""
-        counts, _ = self._ensure()
+        """Record one sampled token per row, on the device: seen, and counted once more."""
+        seen, counts = self._ensure()
+        seen[batch_rows, tokens] = True
         counts.index_put_((batch_rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
@@ -350,21 +374,26 @@ class LogitsProcessor:
         if not len(h.logprob_rows):
             return None
         idx = d.i["logprob_rows"]
-        return token_logprobs(x[idx], tokens[d.i["rows"][idx]], int(h.logprob_counts.max()))
+        rows = x if len(h.logprob_rows) == len(h.rows) else x[idx]  # logprob_rows is sorted: all of them is 0..R-1
+        return token_logprobs(rows, tokens[d.i["rows"][idx]], int(h.logprob_counts.max()))
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """log_softmax of `logits` `[L, V]` at `chosen` `[L]`, the rank of `chosen` (1 + the number of tokens
-    strictly more likely) and the `num_top` largest logprobs with their token ids (most likely first)."""
-    lsm = torch.log_softmax(logits.float(), dim=-1)
-    lp = lsm.gather(1, chosen.view(-1, 1)).squeeze(1)
-    rank = (lsm > lp.unsqueeze(1)).sum(dim=-1) + 1
+    strictly more likely) and the `num_top` largest logprobs with their token ids (most likely first).
+    From one logsumexp per row: the `[L, V]` log_softmax is never materialized."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    chosen_x = x.gather(1, chosen.view(-1, 1))
+    lp = chosen_x.squeeze(1) - lse
+    rank = (x > chosen_x).sum(dim=-1) + 1
     if num_top > 0:
-        top_lp, top_ids = lsm.topk(min(num_top, lsm.shape[1]), dim=-1)
+        top_x, top_ids = x.topk(min(num_top, x.shape[1]), dim=-1)
+        top_lp = top_x - lse.unsqueeze(1)
     else:
-        top_lp = lsm.new_zeros(lsm.shape[0], 0)
-        top_ids = torch.zeros(lsm.shape[0], 0, dtype=torch.int64, device=lsm.device)
+        top_lp = x.new_zeros(x.shape[0], 0)
+        top_ids = torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
     return lp, rank, top_lp, top_ids
 
 
@@ -388,22 +417,38 @@ def _penalties(proc: LogitsProcessor, x: torch.Tensor, d: DeviceProcessing, last
     h = d.host
     if not (h.uses_repetition or h.uses_frequency_presence):
         return x
-    counts_all, prompt_all = proc.penalties._ensure()
+    seen_all, counts_all = proc.penalties._ensure()
     whole = len(h.penalty_rows) == len(h.rows)  # every processed row has a penalty: no gather/scatter of x
     rows, batch_rows = d.i["penalty_rows"], d.i["penalty_batch_rows"]
     sub = x if whole else x[rows]
-    counts = counts_all[batch_rows]
     if h.uses_repetition:
-        seen = prompt_all[batch_rows] | (counts > 0)
-        rp = d.f["repetition"].unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+        sub = _repetition(sub, seen_all[batch_rows], d.f["repetition"].unsqueeze(1))
     if h.uses_frequency_presence:
-        c = counts.to(torch.float32)
-        sub = sub - d.f["frequency"].unsqueeze(1) * c - d.f["presence"].unsqueeze(1) * (c > 0).to(torch.float32)
+        sub = _frequency_presence(sub, counts_all[batch_rows], d.f["frequency"].unsqueeze(1),
+                                  d.f["presence"].unsqueeze(1))
     if whole:
         return sub
     x[rows] = sub
     return x
+
+
+@fused
+def _repetition(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Seen tokens' logits: positive ones divided by the penalty, negative ones multiplied (`penalty` [R, 1])."""
+    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+
+
+@fused
+def _frequency_presence(x: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
+                        presence: torch.Tensor) -> torch.Tensor:
+    c = counts.to(torch.float32)
+    return x - frequency * c - presence * (c > 0).to(torch.float32)
+
+
+@fused
+def _mask_below(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """`x` with every entry below its row's `threshold` ([R, 1]) at -inf."""
+    return torch.where(x < threshold, torch.full_like(x, NEG_INF), x)
 
 
 def _temperature(proc: LogitsProcessor, x: torch.Tensor, d: DeviceProcessing, last: torch.Tensor) -> torch.Tensor:
@@ -423,18 +468,22 @@ def _top_k_top_p_min_p(proc: LogitsProcessor, x: torch.Tensor, d: DeviceProcessi
         if not len(group):
             continue
         idx = d.i[name]
-        rows = x[idx]
+        every_row = len(group) == x.shape[0]  # groups are sorted: all of them is 0..R-1, no gather needed
+        rows = x if every_row else x[idx]
         if name == "fast":  # every row has 0 < k <= TOPK_CANDIDATES: the candidates are its top k_max
             candidates = rows.topk(int(h.top_k[group].max()), dim=-1).values
         else:  # top-p without a small top-k: sort the whole row
             candidates = rows.sort(dim=-1, descending=True).values
-        threshold[idx] = top_k_top_p_threshold(rows, candidates, d.i[f"{name}_k"], d.f[f"{name}_p"],
-                                               any_p=bool((h.top_p[group] < 1.0).any()),
-                                               exact_candidates=name == "full")
+        kept = top_k_top_p_threshold(rows, candidates, d.i[f"{name}_k"], d.f[f"{name}_p"],
+                                     any_p=bool((h.top_p[group] < 1.0).any()), exact_candidates=name == "full")
+        if every_row:
+            threshold = kept
+        else:
+            threshold[idx] = kept
     if (h.min_p > 0).any():
         log_min_p = torch.log(d.f["min_p"].double())  # -inf where min_p is 0
         threshold = torch.maximum(threshold, (x.amax(dim=-1).double() + log_min_p).to(torch.float32))
-    return x.masked_fill_(x < threshold.unsqueeze(1), NEG_INF)
+    return _mask_below(x, threshold.unsqueeze(1))
 
 
 def top_k_top_p_threshold(rows: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
@@ -482,7 +531,7 @@ def gather_vocabulary(logits: torch.Tensor, vocab_size: int, rows_per_rank: int)
 
     x = logits.float()
     if tp_size() == 1:
-        return x
+        return x.clone() if x.data_ptr() == logits.data_ptr() else x  # the steps write into it
     if x.shape[1] < rows_per_rank:  # the last rank's slice is shorter: pad it to the common width
         x = torch.nn.functional.pad(x, (0, rows_per_rank - x.shape[1]), value=NEG_INF)
     gathered = all_gather(x.contiguous())  # [ranks, n, rows_per_rank]

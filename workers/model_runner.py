@@ -388,11 +388,12 @@ class ModelRunner:
         scheduled = self.batch.apply(plan)
         if not scheduled:
             return None
-        inputs = self.batch.prepare(scheduled)
+        # Before prepare() advances the requests' counters: a row holds exactly the tokens known so far.
         penalties = self.processor.penalties
-        penalties.reset_rows(inputs.admitted_penalized)
-        penalties.copy_rows([p.row for f, p in inputs.forks if f.penalized], [f.row for f, _ in inputs.forks
-                                                                           if f.penalized])
+        penalties.reset_rows(self.batch.admitted_penalized)
+        forks = self.batch.forks
+        penalties.copy_rows([p.row for f, p in forks if f.penalized], [f.row for f, _ in forks if f.penalized])
+        inputs = self.batch.prepare(scheduled)
         t1 = time.perf_counter()
         host = self.host[self.step_parity]
         self.step_parity ^= 1
@@ -508,8 +509,8 @@ class ModelRunner:
             processed = d = None
             if inputs.processing is not None:
                 d = self.processor.upload(inputs.processing)
-                x = gather_vocabulary(logits[d.i["rows"]], self.processor.vocab_size,
-                                      self.model.lm_head.rows_per_rank)
+                rows = logits if inputs.processing.all_rows else logits[d.i["rows"]]
+                x = gather_vocabulary(rows, self.processor.vocab_size, self.model.lm_head.rows_per_rank)
                 x = self.processor.apply(x, d, self.last_sampled)
                 processed = ProcessedRows(d.i["rows"], inputs.processing.rows, x, d.f["sample_temperatures"],
                                           inputs.processing.all_rows)
