@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    from frontend.client import add_sampling_arguments
+
+    add_sampling_arguments(s)
     s.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     v = p.add_argument_group("serving")
@@ -128,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             model = ensure_default_model()
         except ValueError as exc:  # DELTASERVE_CACHE unusable
             parser.error(str(exc))
+    from frontend.client import sampling_params_from_args
+
+    params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
+                                       ignore_eos=args.ignore_eos)
     try:
         config = engine_config(args, model)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     prompts = args.prompt or (DEMO_PROMPTS if demo else [])
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: bool, as_json: bool) -> int:
-    from frontend.client import EngineClient
+    from frontend.client import EngineClient, json_row
 
     client = EngineClient(engine.endpoints.client, liveness=engine.check)
     requests = []
@@ -215,22 +221,22 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
     total_tokens = 0
     for i, text in enumerate(prompts):
         out = results[i]
-        total_tokens += len(out.token_ids)
+        num_tokens = sum(len(sample.token_ids) for sample in out.outputs)
+        total_tokens += num_tokens
         if out.error:
             status = 1
         if as_json:
-            print(json.dumps({"prompt": text, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "error": out.error,
-                              "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
-                              **out.metrics}, ensure_ascii=False))
+            print(json.dumps(json_row(text, out), ensure_ascii=False))
         elif out.error:
             print(f"Prompt: {text}\nError: {out.error}\n")
         else:
             ttft = out.metrics.get("ttft_s", 0.0) * 1e3
             e2e = out.metrics.get("e2e_s", 0.0)
-            print(f"Prompt: {text}\nAnswer: {out.text.strip()}\n"
-                  f"  [{len(out.token_ids)} tokens, finish: {out.finish_reason}, TTFT {ttft:.0f} ms, "
-                  f"{len(out.token_ids) / max(e2e, 1e-9):.1f} tok/s]\n")
+            answers = "".join(f"Answer{f' {s.index}' if params.n > 1 else ''}: {s.text.strip()}\n"
+                              for s in out.outputs)
+            print(f"Prompt: {text}\n{answers}"
+                  f"  [{num_tokens} tokens, finish: {out.finish_reason}, TTFT {ttft:.0f} ms, "
+                  f"{num_tokens / max(e2e, 1e-9):.1f} tok/s]\n")
     if not as_json:
         print(f"{len(prompts)} prompts, {total_tokens} output tokens in {elapsed:.2f} s "
               f"({total_tokens / max(elapsed, 1e-9):.1f} output tokens/s)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import numbers
@@ -46,6 +47,59 @@ from common.sampling_params import SamplingParams
 
 class EngineConnectionError(RuntimeError):
     """The engine did not answer (not running, wrong address, or it died)."""
+
+
+def output_dict(out: RequestOutput) -> dict[str, Any]:
+    """A finished request's output as plain data, as `LLM.generate` returns it: nano-vllm's `text` and
+    `token_ids` (of sample 0) with its `finish_reason` and `stop_reason`, `error`, `num_prompt_tokens`,
+    `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids, finish_reason,
+    stop_reason, logprobs, cumulative_logprob); and `prompt_logprobs` (None unless asked for)."""
+    prompt = out.prompt_logprobs
+    return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason, "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+            "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics,
+            "outputs": [dataclasses.asdict(s) for s in out.outputs],
+            "prompt_logprobs": None if prompt is None else [p and dataclasses.asdict(p) for p in prompt]}
+
+
+# Sampling flags shared by the client and launch.py (vLLM's names); their values build SamplingParams.
+SAMPLING_FLAGS = ("n", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "min_tokens", "stop", "logprobs", "prompt_logprobs")
+
+
+def add_sampling_arguments(group: Any) -> None:
+    """Add the sampling flags beyond --temperature, --max-tokens, --ignore-eos and --seed to a parser group."""
+    group.add_argument("--n", type=int, default=1, help="samples per prompt (the prompt is computed once)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens while the "
+                       "probability of those more likely is below this, in (0, 1]; 1 = off")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the most likely one, in [0, 1]; 0 = off")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 0: logits of prompt and output tokens are divided (positive) or multiplied "
+                            "(negative) by it; 1 = off")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: subtracted from the logit of every token already generated")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: times its count, subtracted from the logit of every generated token")
+    group.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before a stop token or "
+                       "stop string may end the output")
+    group.add_argument("--stop", action="append", default=None, help="a stop string (repeat for several)")
+    group.add_argument("--logprobs", type=int, default=None,
+                       help="return each sampled token's logprob and the N most likely (0..20)")
+    group.add_argument("--prompt-logprobs", type=int, default=None,
+                       help="return each prompt token's logprob and the N most likely (0..20)")
+
+
+def sampling_params_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                              **fields: Any) -> SamplingParams:
+    """SamplingParams from the sampling flags plus `fields`; a bad value exits with a usage error naming
+    its flag (e.g. "--top-p must be a finite number in (0, 1] ...")."""
+    try:
+        return SamplingParams(**fields, **{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    except ValueError as exc:  # the message starts with the field's name: name the flag instead
+        name, _, why = str(exc).partition(" ")
+        parser.error(f"--{name.replace('_', '-')} {why}")
 
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
@@ -251,6 +305,14 @@ class EngineClient:
         self.sock.close()
 
 
+def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:
+    """One line of `--json` output (client and launch.py): the prompt, `output_dict` with the metrics
+    flattened in."""
+    row = {"prompt": prompt, **output_dict(out)}
+    row.update(row.pop("metrics"))
+    return row
+
+
 def undecodable_text(text: str) -> str | None:
     """Where `text` has no UTF-8 encoding (a byte the shell passed undecoded, kept by Python as a
     surrogate escape, or any lone surrogate); None if it has one."""
@@ -287,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt when it finishes (a failed one with its error)")
@@ -294,12 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.timeout > 0:  # also refuses NaN
         p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
-    try:
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
-    except ValueError as exc:  # the message starts with the field's name: name the option instead
-        name, _, why = str(exc).partition(" ")
-        p.error(f"--{name.replace('_', '-')} {why}")
+    params = sampling_params_from_args(p, args, temperature=args.temperature, max_tokens=args.max_tokens,
+                                       seed=args.seed, ignore_eos=args.ignore_eos)
     for n, text in enumerate(args.prompts, 1):
         where = undecodable_text(text)
         if where is not None:
@@ -323,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    stream = len(args.prompts) == 1 and not args.json
+    stream = len(args.prompts) == 1 and not args.json and params.n == 1
     reqs: list[GenerateRequest] = []
     for text in args.prompts:
         req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=stream)
@@ -344,10 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 if not out.finished:
                     continue
-                results[out.request_id] = {"prompt": args.prompts[order[out.request_id]], "text": out.text,
-                                           "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                           "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
-                                           "num_cached_tokens": out.num_cached_tokens, **out.metrics}
+                results[out.request_id] = json_row(args.prompts[order[out.request_id]], out)
                 if out.error:
                     if stream:  # end the line of the text streamed so far
                         print()
@@ -356,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # every prompt, failed ones too: one object per prompt
                     print(json.dumps(results[out.request_id], ensure_ascii=False))
                 elif not stream and not out.error:
-                    print(f"--- {results[out.request_id]['prompt']}\n{out.text}\n")
+                    for sample in out.outputs:
+                        label = f" [sample {sample.index}]" if params.n > 1 else ""
+                        print(f"--- {results[out.request_id]['prompt']}{label}\n{sample.text}\n")
         if stream and not status:
             print()
     except KeyboardInterrupt:
