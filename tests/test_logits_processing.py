@@ -174,10 +174,15 @@ def test_ties_at_the_k_th_logit_are_all_kept_also_beyond_the_candidates() -> Non
 def test_top_p_keeps_or_drops_tied_tokens_together() -> None:
     row = np.full(V, -30.0, np.float32)
     row[:4] = [2.0, 1.0, 1.0, 1.0]
-    x, _, _ = process([state(0, SamplingOptions(top_p=0.5))], torch.from_numpy(row[None]))
-    # p(first) = e^1 / (e^1 + 3) = 0.475 < 0.5: the three tied tokens have 0.475 above them and all stay.
-    assert np.isfinite(x[0].numpy()).sum() == 4
-    assert_matches(x[0], ref_filters(row, p=0.5))
+    logits = torch.from_numpy(np.stack([row, row]))
+    for k in (0, 3):  # a whole-row sort, and topk candidates that hold only two of the three tied tokens
+        x, _, _ = process([state(0, SamplingOptions(top_p=0.5, top_k=k)), state(1, SamplingOptions(top_p=0.4,
+                                                                                                  top_k=k))], logits)
+        # p(first) = e / (e + 3) = 0.475: below 0.5, the three tied tokens have 0.475 above them and all stay;
+        # not below 0.4, they all go.
+        assert np.isfinite(x.numpy()).sum(axis=1).tolist() == [4, 1]
+        assert_matches(x[0], ref_filters(row, k=k, p=0.5))
+        assert_matches(x[1], ref_filters(row, k=k, p=0.4))
 
 
 def test_the_most_likely_token_always_survives_the_filters() -> None:

@@ -492,31 +492,31 @@ def top_k_top_p_threshold(rows: torch.Tensor, candidates: torch.Tensor, k: torch
 
     rows `[G, V]`; candidates `[G, K]` the row's K largest logits, descending (K = V when
     `exact_candidates`, a full sort); k `[G]` int64 (0 = off; <= K when not exact); p `[G]` float32.
-    Computed in float64. Tokens tied with the k-th logit are all kept, also those beyond the K
-    candidates (counted from `rows`)."""
+    Probabilities in float64. Tokens tied with the k-th logit are all kept, also those beyond the K
+    candidates (their mass is counted from `rows`).
+
+    Top-p keeps a candidate when the mass of the kept candidates before it is below p; with ties the
+    mass strictly above a tie group is the exclusive sum at its first member, so whole groups are kept
+    or dropped. The returned threshold is a value: the last candidate whose exclusive sum is below p
+    belongs to the last kept group (its first member's sum is no larger), and the first member of any
+    later group has a sum at least that of the first candidate past it, which is not below p.
+    """
     width = candidates.shape[1]
     k_eff = torch.where(k > 0, k.clamp(max=width), torch.full_like(k, width))
     t_k = candidates.gather(1, (k_eff - 1).unsqueeze(1))  # [G, 1] the k-th largest logit
     if not any_p:
         return t_k.squeeze(1)
-    c = candidates.double()
-    top = c[:, :1]
+    top = candidates[:, :1].double()
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    kept_k = candidates >= t_k
-    w = torch.where(kept_k, torch.exp(c - top), torch.zeros_like(c))  # unnormalized probabilities
+    kept_k = candidates >= t_k  # a prefix of the candidates
+    w = torch.exp(candidates.double() - top).masked_fill_(~kept_k, 0.0)  # unnormalized probabilities
     total = w.sum(dim=-1)
     if not exact_candidates:  # ties with the k-th logit outside the candidates carry mass too
         extra = (rows >= t_k).sum(dim=-1) - kept_k.sum(dim=-1)
         total = total + extra.double() * torch.exp(t_k.squeeze(1).double() - top.squeeze(1))
-    exclusive = torch.cumsum(w, dim=-1) - w
-    # The mass strictly above a candidate is the exclusive sum at the first candidate of its tie group.
-    positions = torch.arange(width, device=c.device).expand_as(c)
-    new_group = torch.ones_like(kept_k)
-    new_group[:, 1:] = candidates[:, 1:] != candidates[:, :-1]
-    first = torch.cummax(torch.where(new_group, positions, torch.zeros_like(positions)), dim=-1).values
-    above = exclusive.gather(1, first)
-    keep = kept_k & (above < p.double().unsqueeze(1) * total.unsqueeze(1))
-    last = (keep.sum(dim=-1) - 1).clamp(min=0)  # kept candidates are a prefix (`above` never decreases)
+    before = torch.cumsum(w, dim=-1).sub_(w)  # mass of the candidates before each one
+    keep = kept_k & (before < (p.double() * total).unsqueeze(1))  # a prefix too: `before` never decreases
+    last = (keep.sum(dim=-1) - 1).clamp(min=0)
     return candidates.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
