@@ -74,12 +74,12 @@ def test_bf16_logits_with_many_ties_keep_every_token_tied_with_the_k_th() -> Non
 def test_the_fused_kernel_draws_filtered_rows_from_their_kept_tokens_in_proportion() -> None:
     logits = distinct_logits(1, seed=3, vocab=VOCAB, scale=2.5)
     spec = dict(top_k=30, top_p=0.9)
-    rows = 4096
+    rows = 2048
     states = [state(i, SamplingOptions(**spec)) for i in range(rows)]
     batch = logits.expand(rows, -1).contiguous()
     counts = np.zeros(VOCAB, np.int64)
     sampler = Sampler(CUDA, seed=5)
-    for _ in range(8):
+    for _ in range(16):
         x, d, _ = process_on(CUDA, states, batch)
         tokens = sampler(batch.to(CUDA), torch.ones(rows, device=CUDA), False, None,
                          ProcessedRows(d.i["rows"], d.host.rows, x, d.f["sample_temperatures"], True))

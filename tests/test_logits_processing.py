@@ -33,7 +33,12 @@ def ref_filters(x: np.ndarray, k: int = 0, p: float = 1.0, m: float = 0.0) -> np
         kept = np.where(keep, x, -np.inf)
         q = np.exp(kept - kept.max())
         q /= q.sum()
-        above = np.array([q[kept > v].sum() for v in kept])
+        order = np.argsort(-kept, kind="stable")
+        descending = kept[order]
+        exclusive = np.cumsum(q[order]) - q[order]
+        first_of_value = np.searchsorted(-descending, -descending, side="left")
+        above = np.empty_like(q)
+        above[order] = exclusive[first_of_value]  # the mass of the tokens strictly more likely
         keep &= above < p
     if m > 0.0:
         keep &= x >= x.max() + np.log(m)
