@@ -306,13 +306,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:n])
         self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
         # The costliest logits processing too (a whole-row sort, penalties, 20 logprobs), so that the
-        # memory it takes is measured and the penalty counts exist before the KV cache is sized.
-        d = self.processor.upload(worst_case_inputs(n))
-        x = self.processor.apply(gather_vocabulary(logits, self.processor.vocab_size, self.model.lm_head.rows_per_rank),
-                                 d, self.last_sampled)
-        tokens = self.sampler(logits, torch.ones(n, device=dev), False,
-                              processed=ProcessedRows(d.i["rows"], d.host.rows, x, d.f["sample_temperatures"], True))
-        self.processor.logprobs(x, d, tokens)
+        # memory it takes is measured and the penalty counts exist before the KV cache is sized; and once
+        # for a single row, which torch.compile specializes (no compile stalls a first step later).
+        for rows in sorted({n, 1}, reverse=True):
+            d = self.processor.upload(worst_case_inputs(rows))
+            x = self.processor.apply(gather_vocabulary(logits[:rows], self.processor.vocab_size,
+                                                       self.model.lm_head.rows_per_rank), d, self.last_sampled)
+            tokens = self.sampler(logits[:rows], torch.ones(rows, device=dev), False, processed=ProcessedRows(
+                d.i["rows"], d.host.rows, x, d.f["sample_temperatures"], True))
+            self.processor.logprobs(x, d, tokens)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, sliced per layer."""
