@@ -96,7 +96,9 @@ def test_prompt_logprobs_are_transformers_log_softmax_for_every_prompt_token_but
             entry, ref = entries[position], lsm[position - 1]
             assert entry["token_id"] == prompt[position]
             assert entry["logprob"] == pytest.approx(ref[prompt[position]].item(), abs=1e-4)
-            assert entry["rank"] == 1 + int((ref > ref[prompt[position]]).sum())
+            # The rank within the same 1e-4: mid-distribution tokens have neighbours closer than that.
+            lp = entry["logprob"]
+            assert 1 + int((ref > lp + 1e-4).sum()) <= entry["rank"] <= 1 + int((ref > lp - 1e-4).sum())
             assert [t["token_id"] for t in entry["top"]] == ref.topk(3).indices.tolist()
         assert out["num_cached_tokens"] == 0
     if chunked:

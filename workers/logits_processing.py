@@ -7,7 +7,8 @@ here: the fused sampler takes them straight from the LM head, as before, with no
 The processed rows of a step are gathered into one float32 tensor `[R, vocab]` (all of the vocabulary:
 under tensor parallelism the ranks all-gather these rows' slices, and every rank then processes and
 samples them identically), and each step below runs once over all of them, with per-row parameter
-tensors and sparse (row, token) lists. The order, which is vLLM's:
+tensors and sparse (row, token) lists. The order is vLLM's (its v0 sampler for the last three: top-k and
+top-p, then min-p):
 
   0. (reserved) a structured-output grammar bitmask, when there is one, goes first;
   1. logit bias: add each request's {token: bias};
@@ -17,7 +18,7 @@ tensors and sparse (row, token) lists. The order, which is vLLM's:
      multiplied, as in vLLM and transformers), then frequency and presence (output tokens, OpenAI's
      definition: logit -= frequency * count + presence * (count > 0));
   4. temperature: logits / T (T = 1 for greedy rows);
-  5. top-k, then top-p, then min-p (vLLM's order), as one threshold per row; tokens below it get -inf:
+  5. top-k, then top-p, then min-p, as one threshold per row; tokens below it get -inf:
      top-k keeps the logits >= the k-th largest (ties kept); top-p keeps a token when the probability
      of the tokens strictly more likely than it, among those top-k kept, is below p (ties are kept or
      dropped together; the most likely token always stays); min-p keeps logits >= max + log(min_p).
