@@ -14,7 +14,6 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import (
@@ -26,7 +25,7 @@ from common.config import (
     ConfigError,
     EngineConfig,
 )
-from common.protocol import GenerateRequest, RequestOutput
+from common.protocol import GenerateRequest
 from common.sampling_params import SamplingParams
 from common.units import count
 from frontend.cli import ArgumentParser, HelpFormatter
@@ -92,6 +91,9 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    from frontend.client import add_sampling_arguments
+
+    add_sampling_arguments(s)
     s.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     v = p.add_argument_group("serving")
@@ -167,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --prompt (one or more), or --serve")
     if args.serve and args.prompt:
         parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
-    try:
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        parser.option_error(str(exc))
+    from frontend.client import sampling_params_from_args
+
+    params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
+                                       ignore_eos=args.ignore_eos)
     local_ranks = None
     if args.local_ranks is not None:
         try:
@@ -250,27 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
 
 
-def decode_rate(num_tokens: int, ttft_s: float, e2e_s: float) -> float | None:
-    """Output tokens per second after the first token: (tokens - 1) / (time from the first token to the
-    last); None with fewer than two tokens (no decode phase to time)."""
-    if num_tokens < 2 or e2e_s <= ttft_s:
+def decode_rate(num_tokens: int, ttft_s: float, e2e_s: float, num_samples: int = 1) -> float | None:
+    """Output tokens per second after the first token: (tokens - samples) / (time from the first token to
+    the last), `num_tokens` counted over the request's `num_samples` samples (each has its first token at
+    the TTFT); None without a decode phase to time (one token a sample)."""
+    if num_tokens <= num_samples or e2e_s <= ttft_s:
         return None
-    return (num_tokens - 1) / (e2e_s - ttft_s)
-
-
-@dataclass
-class _Answer:
-    """One prompt's output, gathered from its streamed deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    final: RequestOutput | None = None  # its last output, once finished
+    return (num_tokens - num_samples) / (e2e_s - ttft_s)
 
 
 def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: bool, as_json: bool,
                 progress: bool | None = None) -> int:
     """Run every prompt to its end, then print the answers in prompt order (`as_json`: one JSON object per
-    line on stdout); returns 1 if any prompt failed, else 0.
+    line on stdout, every sample in `outputs`); returns 1 if any prompt failed, else 0.
 
     While they run, a progress bar on stderr counts finished prompts and the output tokens streamed so far
     (`progress` None: only when stderr is a terminal). On `KeyboardInterrupt` (Ctrl-C, or SIGTERM through
@@ -279,9 +273,9 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
     """
     from tqdm.auto import tqdm
 
-    from frontend.client import EngineClient
+    from frontend.client import EngineClient, StreamedOutput
 
-    client = EngineClient(engine.endpoints.client, liveness=engine.check, curve=engine.client_keys())
+    client = EngineClient(engine.endpoints.client, liveness=engine.check)
     requests = []
     for text in prompts:
         req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=True)
@@ -291,7 +285,7 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
             req.prompt = text
         requests.append(req)
     index = {r.request_id: i for i, r in enumerate(requests)}
-    answers = [_Answer() for _ in prompts]
+    answers = [StreamedOutput(r.request_id) for r in requests]
     bar = tqdm(total=len(prompts), desc="Generating", unit="prompt", file=sys.stderr, dynamic_ncols=True,
                disable=None if progress is None else not progress)
     num_finished = num_output_tokens = 0
@@ -301,11 +295,9 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
         while num_finished < len(requests):
             for out in client.recv_outputs():
                 answer = answers[index[out.request_id]]
-                answer.text += out.text
-                answer.token_ids += out.token_ids
-                num_output_tokens += len(out.token_ids)
+                answer.add(out)
+                num_output_tokens += sum(len(s.token_ids) for s in out.outputs)
                 if out.finished:
-                    answer.final = out
                     num_finished += 1
                     bar.update(1)
             now = time.perf_counter()
@@ -324,35 +316,37 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
     return print_answers(prompts, answers, as_json, time.perf_counter() - t0)
 
 
-def print_answers(prompts: list[str], answers: list[_Answer], as_json: bool, elapsed: float) -> int:
-    """Print each prompt's answer (an unfinished one as interrupted, with the text it has); returns 1 if
-    any prompt failed or was interrupted, else 0."""
+def print_answers(prompts: list[str], answers: list[Any], as_json: bool, elapsed: float) -> int:
+    """Print each prompt's answer (`StreamedOutput`s; an unfinished one as interrupted, with the text it has);
+    returns 1 if any prompt failed or was interrupted, else 0."""
+    from frontend.client import json_row
+
     status = 0
     for text, answer in zip(prompts, answers):
-        out = answer.final
-        error = out.error if out is not None else "interrupted before it finished"
+        out = answer.output()
+        error = out.error if answer.finished else "interrupted before it finished"
         status |= error is not None
-        metrics = dict(out.metrics) if out is not None else {}
-        n = len(answer.token_ids)
-        rate = decode_rate(n, metrics.get("ttft_s", 0.0), metrics.get("e2e_s", 0.0))
+        n = answer.num_tokens
+        samples = out.outputs
+        rate = decode_rate(n, out.metrics.get("ttft_s", 0.0), out.metrics.get("e2e_s", 0.0), len(samples))
         if as_json:
-            print(json.dumps({"prompt": text, "text": answer.text, "token_ids": answer.token_ids,
-                              "finish_reason": out.finish_reason if out is not None else "abort", "error": error,
-                              "num_prompt_tokens": out.num_prompt_tokens if out is not None else None,
-                              "num_cached_tokens": out.num_cached_tokens if out is not None else None,
-                              **metrics, "decode_tokens_per_s": rate}, ensure_ascii=False))
-        elif out is None:
-            print(f"Prompt: {text}\nAnswer (interrupted after {count(n, 'token')}): {answer.text.strip()}\n")
+            row = json_row(text, out)
+            if not answer.finished:
+                row["finish_reason"], row["error"] = "abort", error
+            row["decode_tokens_per_s"] = rate
+            print(json.dumps(row, ensure_ascii=False))
+        elif not answer.finished:
+            print(f"Prompt: {text}\nAnswer (interrupted after {count(n, 'token')}): {out.text.strip()}\n")
         elif error:
             print(f"Prompt: {text}\nError: {error}\n")
         else:
-            timing = f"TTFT {metrics.get('ttft_s', 0.0) * 1e3:.0f} ms"
+            timing = f"TTFT {out.metrics.get('ttft_s', 0.0) * 1e3:.0f} ms"
             if rate is not None:
                 timing += f", decode {rate:.1f} tok/s"
-            print(f"Prompt: {text}\nAnswer: {answer.text.strip()}\n"
-                  f"  [{count(n, 'token')}, finish: {out.finish_reason}, {timing}]\n")
+            texts = "".join(f"Answer{f' {s.index}' if len(samples) > 1 else ''}: {s.text.strip()}\n" for s in samples)
+            print(f"Prompt: {text}\n{texts}  [{count(n, 'token')}, finish: {out.finish_reason}, {timing}]\n")
     if not as_json:
-        total = sum(len(a.token_ids) for a in answers)
+        total = sum(a.num_tokens for a in answers)
         print(f"{count(len(prompts), 'prompt')}, {count(total, 'output token')} in {elapsed:.2f} s "
               f"({total / max(elapsed, 1e-9):.1f} output tokens/s)", flush=True)
     return status

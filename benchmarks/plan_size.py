@@ -43,8 +43,8 @@ def prefilled_scheduler(rng: np.random.Generator) -> tuple[Scheduler, StepResult
                                       max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=8192))
     for i in range(NUM_REQUESTS):
         prompt = i32(rng.integers(1000, 20000, size=PROMPT_LEN))
-        error = sched.add_request(EngineRequest(i, prompt, 0.0, 10_000, None, [0], 0.0))
-        assert error is None, error
+        errors = sched.add_request(EngineRequest(i, prompt, 0.0, 10_000, None, [0], 0.0))
+        assert not errors, errors
     pending: StepResult | None = None
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.seqs.values()) or sched.waiting:
         plan = sched.schedule()

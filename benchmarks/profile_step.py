@@ -5,6 +5,11 @@ forward as a CUDA graph, sampling, the whole step (synchronous, and pipelined as
 it), and the kernels of one eager decode step from torch.profiler.
 
     python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton] [--tp 1]
+                                      [--filtered]
+
+`--filtered`: every request sets top_p=0.9, top_k=50, repetition_penalty=1.1 and logprobs=5, so every row
+goes through the logits processing (workers/logits_processing.py); the sampling line then times that
+processing plus the sampler and the logprobs, and says its share of the pipelined step.
 
 With `--tp N` each rank runs in its own process on GPU `rank` (all run the same steps, rank 0 prints);
 the kernel table then shows what a rank spends on its shard and on the all-reduces.
@@ -24,8 +29,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common.config import EngineConfig  # noqa: E402
-from common.protocol import NewRequest, StepPlan, i32  # noqa: E402
+from common.protocol import NewRequest, SamplingOptions, StepPlan, i32  # noqa: E402
+from workers.logits_processing import build_processing, gather_vocabulary  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
+from workers.sampler import ProcessedRows  # noqa: E402
+
+FILTERED = SamplingOptions(top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5)
 
 
 def cuda_ms(fn, repeat: int = 20) -> float:
@@ -49,6 +58,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process and GPU each")
+    ap.add_argument("--filtered", action="store_true",
+                    help="requests set top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     args = ap.parse_args()
     if args.tp == 1:
         profile_rank(0, args, "tcp://127.0.0.1:0")
@@ -74,7 +85,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     per_plan = max(1, cfg.max_num_batched_tokens // ctx)
     for first in range(0, b, per_plan):
         reqs = [NewRequest(i, i32(rng.integers(0, 10000, ctx)), args.temperature, None,
-                           i32(range(i * per_seq, (i + 1) * per_seq)), 0, ctx)
+                           i32(range(i * per_seq, (i + 1) * per_seq)), 0, ctx, FILTERED if args.filtered else None)
                 for i in range(first, min(b, first + per_plan))]
         runner.finalize(runner.execute(StepPlan(step, new_requests=reqs)))
         step += 1
@@ -107,12 +118,31 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     temps = torch.full((b,), args.temperature, device=logits.device)
     sample_ms = cuda_ms(lambda: runner.sampler(logits, temps, all_greedy=False))
     greedy_ms = cuda_ms(lambda: runner.sampler(logits, torch.zeros_like(temps), all_greedy=True))
-    say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}")
+    states = [runner.batch.reqs[i] for i in range(b)]
+    processing = build_processing(states, np.full(b, args.temperature, np.float32), runner.processor.vocab_size)
+
+    def processed_sampling() -> None:
+        """What a step does for processed rows: upload, gather, the pipeline, the sampler, logprobs, counts."""
+        d = runner.processor.upload(processing)
+        x = gather_vocabulary(logits[d.i["rows"]], runner.processor.vocab_size, runner.model.lm_head.rows_per_rank)
+        x = runner.processor.apply(x, d, runner.last_sampled)
+        tokens = runner.sampler(logits, temps, False, None,
+                                ProcessedRows(d.i["rows"], processing.rows, x, d.f["sample_temperatures"], True))
+        runner.processor.record_sampled(d, tokens)
+        runner.processor.logprobs(x, d, tokens)
+
+    filtered_ms = cuda_ms(processed_sampling) if processing is not None else None
+    say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}"
+        f"{', filtered requests' if args.filtered else ''}")
     say(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
     say(f"LM head                      {logits_ms:7.3f} ms")
     say(f"sampling T={args.temperature}              {sample_ms:7.3f} ms   (greedy {greedy_ms:.3f} ms)")
+    if filtered_ms is not None:
+        say(f"sampling top_p=0.9 top_k=50 repetition_penalty=1.1 logprobs=5: {filtered_ms:7.3f} ms")
     say(f"whole step, synchronous      {sync_ms:7.3f} ms wall")
     say(f"whole step, pipelined        {pipelined_ms:7.3f} ms wall")
+    used = filtered_ms if filtered_ms is not None else sample_ms
+    say(f"sampler share of the pipelined step: {100 * used / pipelined_ms:.1f}% ({used:.3f} of {pipelined_ms:.3f} ms)")
 
     runner.graphs.clear()  # profile the eager step: every kernel is visible
     one_step()

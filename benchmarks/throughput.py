@@ -9,7 +9,11 @@ running sequence's whole KV cache once: that many bytes over the GPU's copy band
 shortest possible time), the mean decode step time at batch 256, the device idle time
 between steps (from the workers' step log) and each process's CPU seconds per wall second.
 
-    python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2]
+`--filtered` gives every request top_p=0.9, top_k=50, repetition_penalty=1.1 and logprobs=5 (issue 11's
+filtered workload: every row goes through workers/logits_processing.py and returns its logprobs);
+the tokens are the same count, so the two runs compare directly.
+
+    python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2] [--filtered]
     python benchmarks/throughput.py --model DIR --profile-dir D [--profile-steps 200:240]
 
 With `--profile-dir` the run is profiled (README "Profiling"): steps 200..239 by default, 40 decode steps
@@ -40,12 +44,16 @@ MISSION_ROOFLINE_TOKENS_PER_S = 36_000  # MISSION.md's KV-read bound for this wo
 PROFILE_STEPS = "200:240"  # full-batch decode steps of the measured run (the warm-up and prefill come first)
 
 
-def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
+FILTERED = dict(top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5)
+
+
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, filtered: bool = False):
     from deltaserve import SamplingParams
 
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+    extra = FILTERED if filtered else {}
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len), **extra)
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -66,6 +74,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--filtered", action="store_true",
+                    help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (README: Profiling)")
     ap.add_argument("--profile-steps", default=PROFILE_STEPS, help="with --profile-dir: the steps traced, A:B")
@@ -76,7 +86,7 @@ def main() -> None:
     os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
     from deltaserve import LLM, SamplingParams
 
-    prompts, params = workload(args.num_seqs)
+    prompts, params = workload(args.num_seqs, filtered=args.filtered)
     total_tokens = sum(sp.max_tokens for sp in params)
     llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -93,6 +103,8 @@ def main() -> None:
     cpu_used = cpu.stop()
     llm.shutdown()
     assert sum(len(o["token_ids"]) for o in outputs) == total_tokens, "every request must produce max_tokens tokens"
+    if args.filtered:
+        assert all(len(o["outputs"][0]["logprobs"]) == len(o["token_ids"]) for o in outputs), "logprobs missing"
 
     steps = [json.loads(line) for line in open(worker_log)][skip:]
     full_decode = [s["gpu_ms"] for s in steps if s.get("decode") and s["rows"] == args.num_seqs and "gpu_ms" in s]
@@ -109,7 +121,7 @@ def main() -> None:
         "decode_steps_at_full_batch": len(full_decode),
         "gpu_busy_s": sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3, "gpu_idle_between_steps_s": sum(idle) / 1e3,
         "mean_idle_between_steps_ms": statistics.mean(idle) if idle else None,
-        "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size,
+        "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size, "filtered": args.filtered,
         "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
     }
     print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")

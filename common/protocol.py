@@ -13,7 +13,8 @@ keeps a 256-request decode step near 1 KiB and decodes without a Python loop.
 
 Compatibility: a peer with another `PROTOCOL_VERSION` is refused. Within a version, new fields
 are only ever appended, with defaults: a decoder fills missing trailing fields from their
-defaults (older sender) and ignores extra trailing fields (newer sender).
+defaults (older sender) and ignores extra trailing fields (newer sender). The encoder leaves off
+the trailing fields that equal their defaults, so a field nobody sets costs no byte.
 
 Deltas, not snapshots (the step plan, scheduler -> workers):
 - A request's prompt token ids, sampling parameters and first block ids travel once, in
@@ -27,8 +28,27 @@ Deltas, not snapshots (the step plan, scheduler -> workers):
 
 Rows of a step, in this order: `new_requests`, `resumed_requests`, prefill chunks, decodes. A row
 samples one token exactly when its scheduled tokens reach the end of the tokens known for the
-request (prompt plus tokens sampled so far); `StepResult.sampled_token_ids` holds those tokens
-in row order. Both sides apply the same rule, so token ids need no request ids beside them.
+request (prompt plus tokens sampled so far); after the rows, each `ForkedRequest` samples one token
+(from its parent's logits), in plan order. `StepResult.sampled_token_ids` holds those tokens in
+that order. Both sides apply the same rule, so token ids need no request ids beside them.
+
+Sampling parameters: a request's temperature and seed travel in `NewRequest` as before; everything
+else the workers apply (filters, penalties, logit bias, bad words, min_tokens, logprobs) travels once,
+in `NewRequest.options`, which is None (no byte) for a request that uses none of it. The workers keep
+what penalties need (token counts) themselves: nothing is added to the steps that follow.
+
+Samples (n > 1): the frontend gives a request of n samples the seq ids seq_id .. seq_id + n - 1 and
+sends it once (`EngineRequest.n`); the scheduler computes the prompt once and forks samples 1..n-1
+from it (`StepPlan.forked_requests`). From then on every sample is a sequence of its own, in every
+message, and each seq id gets exactly one `FinishedSeq`. The client sees one request:
+`RequestOutput.outputs` lists its samples (`SampleOutput`), in index order, for any n, streamed
+(each sample's news) or not (all of it).
+
+Logprobs (`Logprobs`, CSR over rows, only for the requests that asked; nothing, not even a field, for
+the others): a sampled position costs 20 + 8 * N bytes (row index, position count, top count, logprob
+and rank: 4 bytes each; each of the top N: int32 id + float32 logprob), both in `StepResult` and in
+`StepOutputs`; a prompt position costs 8 + 8 * N, plus 12 per row per step. The frontend turns them
+into `PositionLogprobs`, with each token's text, for the client.
 
 Errors: `decode` raises `ProtocolError` for anything malformed (not msgpack, wrong version,
 unknown type, missing or mistyped field); receivers answer it or log it and keep serving.
@@ -80,8 +100,39 @@ def _empty_i32() -> Any:
     return field(default_factory=lambda: EMPTY_I32)
 
 
+class Float32Array:
+    """Annotation marker: a 1-D float32 `numpy.ndarray` carried as msgpack bin (little-endian IEEE 754).
+
+    Decoded arrays are read-only views of the received bytes; copy before writing into them.
+    """
+
+
+def f32(values: Any) -> np.ndarray:
+    """A contiguous little-endian float32 array from a list or array (values round to float32)."""
+    return np.ascontiguousarray(values, dtype="<f4")
+
+
+EMPTY_F32 = np.zeros(0, dtype="<f4")
+EMPTY_F32.setflags(write=False)
+
+
+def _empty_f32() -> Any:
+    return field(default_factory=lambda: EMPTY_F32)
+
+
 _MESSAGES: dict[str, type] = {}
 _HINTS: dict[type, list[tuple[str, Any]]] = {}
+_NO_DEFAULT = object()
+# Per struct, each field's default (or _NO_DEFAULT): trailing fields at their defaults are left off the wire.
+_DEFAULTS: dict[type, list[Any]] = {}
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _NO_DEFAULT
 
 
 def _struct(cls: type) -> type:
@@ -89,6 +140,7 @@ def _struct(cls: type) -> type:
     cls = dataclass(cls)
     hints = typing.get_type_hints(cls, globalns=globals())
     _HINTS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    _DEFAULTS[cls] = [_field_default(f) for f in dataclasses.fields(cls)]
     return cls
 
 
@@ -222,18 +274,70 @@ class Pong:
 
 
 @_struct
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    logprob: float  # natural log of its probability
+    decoded_token: str  # tokenizer.decode([token_id])
+
+
+@_struct
+class PositionLogprobs:
+    """Logprobs at one position of an output (or of the prompt): the token there and the most likely ones."""
+
+    token_id: int  # the sampled token (or the prompt token)
+    logprob: float
+    rank: int  # 1 = the most likely token of the distribution
+    decoded_token: str  # tokenizer.decode([token_id])
+    top: list[TopLogprob] = field(default_factory=list)  # the top-N, most likely first
+
+
+@_struct
+class SampleOutput:
+    """One sample of a request (vLLM's CompletionOutput): its news since the last output when streaming,
+    else all of it."""
+
+    index: int  # 0 .. n - 1
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while it runs
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, else None
+    logprobs: list[PositionLogprobs] | None = None  # one entry per token of `token_ids` (logprobs=N), else None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far (logprobs=N), else None
+
+
+@_struct
 class RequestOutput:
-    """Frontend -> client: news of one request (a delta when streaming, else the whole output)."""
+    """Frontend -> client: news of one request (a delta when streaming, else the whole output).
+
+    The fields `text` .. `finish_reason`, `stop_reason`, `logprobs`, `cumulative_logprob` belong to sample
+    `index` (always 0 for n = 1); the request's other samples with news are in `samples`. `outputs` gives
+    them all as `SampleOutput`s in index order, the same for n = 1 and n > 1."""
 
     request_id: str
     text: str = ""  # new text since the last output of this request
     token_ids: list[int] = field(default_factory=list)  # new output token ids since the last output
-    finished: bool = False
+    finished: bool = False  # the whole request (every sample) has finished
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None  # why the request failed (finish_reason "error")
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     metrics: dict[str, int | float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), num_preemptions; on finish
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    # prompt_logprobs=N: one entry per prompt token, None for the first; in the first output (streaming) or the last
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    index: int = 0  # the sample the fields above describe
+    samples: list[SampleOutput] = field(default_factory=list)  # the other samples with news, index order
+
+    @property
+    def outputs(self) -> list[SampleOutput]:
+        """Every sample with news in this output (all n when not streaming), in index order."""
+        first = SampleOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
+                             self.logprobs, self.cumulative_logprob)
+        return sorted([first, *self.samples], key=lambda s: s.index)
 
 
 @_message
@@ -260,6 +364,49 @@ MIN_MAX_MESSAGE_BYTES = 64 << 10
 MAX_REQUEST_ID_CHARS = 256
 
 
+# ============================================================================ frontend -> scheduler -> workers
+@_struct
+class SamplingOptions:
+    """What the workers do to a request's logits beyond temperature, and the logprobs it asks for.
+
+    Travels in `EngineRequest` and, once, in `NewRequest`; None for a request that uses none of it, and
+    defaults are left off the wire. Meanings and ranges are SamplingParams' (common/sampling_params.py).
+    """
+
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    bad_words: list[list[int]] = field(default_factory=list)  # token-id sequences (each word, with and without a space)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs (set with min_tokens)
+    logprobs: int = -1  # N >= 0: the sampled token's logprob and the top N; -1: none
+    prompt_logprobs: int = -1  # N >= 0: each prompt token's logprob and the top N; -1: none
+
+
+@_struct
+class Logprobs:
+    """Logprobs of some rows of a step, positions grouped by row (CSR layout).
+
+    Row i has `counts[i]` consecutive positions; each position has its token's logprob and rank, and
+    `num_top[i]` top entries, most likely first. In `StepResult.logprobs` a row is an index into the
+    step's sampling rows, in `StepOutputs.logprobs` an index into `seq_ids` (one position each: the
+    sampled token); in `prompt_logprobs` it is a seq id, and its positions continue that request's
+    prompt logprobs from prompt token 1 on, in order.
+    """
+
+    rows: Int32Array  # [r]
+    counts: Int32Array  # [r] positions of each row
+    num_top: Int32Array  # [r] top entries per position of each row
+    token_logprobs: Float32Array  # [P = sum(counts)] logprob of the sampled (or prompt) token
+    ranks: Int32Array  # [P] its rank, 1 = the most likely
+    top_token_ids: Int32Array  # [sum(counts * num_top)]
+    top_logprobs: Float32Array  # [sum(counts * num_top)]
+
+
 # ============================================================================ frontend -> scheduler
 @_struct
 class EngineRequest:
@@ -272,6 +419,8 @@ class EngineRequest:
     seed: int | None
     stop_token_ids: list[int]  # sampled ids that finish the request (EOS unless ignore_eos, + user ids)
     arrival_time: float  # time.time() at the frontend, seconds
+    options: SamplingOptions | None = None  # None: temperature sampling only
+    n: int = 1  # samples; sample i has seq id seq_id + i (the scheduler forks them after the prompt)
 
 
 @_message
@@ -303,6 +452,8 @@ class StepOutputs:
     token_ids: Int32Array = _empty_i32()  # [n] the token each received
     finished: list[FinishedSeq] = field(default_factory=list)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prefix hit, on first token
+    logprobs: Logprobs | None = None  # rows: indices into seq_ids, for the requests that asked
+    prompt_logprobs: Logprobs | None = None  # rows: seq ids
 
 
 # ============================================================================ scheduler -> workers
@@ -317,6 +468,20 @@ class NewRequest:
     block_ids: Int32Array  # its whole block table so far
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in those blocks
     num_scheduled_tokens: int  # tokens to compute this step, from position num_computed_tokens
+    options: SamplingOptions | None = None
+
+
+@_struct
+class ForkedRequest:
+    """Sample i > 0 of an n > 1 request, forked from its parent (sample 0) in the step that computes the
+    end of the parent's prompt. It shares the parent's full prompt blocks and owns a copy of the last,
+    partial one (copy-on-write): the workers copy that block's KV after the step's forward and sample the
+    fork's first token from the parent's logits with the fork's seed. Its options are the parent's."""
+
+    seq_id: int
+    parent_seq_id: int
+    seed: int | None
+    block_ids: Int32Array  # its whole block table
 
 
 @_struct
@@ -348,6 +513,7 @@ class StepPlan:
     new_blocks: list[NewBlocks] = field(default_factory=list)  # applied before the step runs
     finished_seq_ids: Int32Array = _empty_i32()  # finished or aborted: forget them (applied first)
     preempted_seq_ids: Int32Array = _empty_i32()  # free their blocks, keep their tokens (applied first)
+    forked_requests: list[ForkedRequest] = field(default_factory=list)  # applied after the rows; sample after them
 
 
 # ============================================================================ workers -> scheduler
@@ -358,6 +524,8 @@ class StepResult:
     step_id: int
     sampled_token_ids: Int32Array = _empty_i32()
     timings: dict[str, Any] = field(default_factory=dict)  # *_ms in milliseconds, and counts; for the step log
+    logprobs: Logprobs | None = None  # rows: indices into sampled_token_ids, for the requests that asked
+    prompt_logprobs: Logprobs | None = None  # rows: seq ids
 
 
 # ============================================================================ profiling sessions
@@ -411,11 +579,38 @@ class ProfileStatus:
 
 
 # ============================================================================ codec
+def _at_default(value: Any, default: Any) -> bool:
+    if default is _NO_DEFAULT:
+        return False
+    if isinstance(value, np.ndarray):
+        return isinstance(default, np.ndarray) and value.size == 0 and default.size == 0
+    if isinstance(default, (list, dict)):
+        return type(value) is type(default) and not value and not default
+    return type(value) is type(default) and value == default
+
+
+def _struct_to_wire(value: Any) -> list[Any]:
+    """A struct's fields in order, without the trailing ones that equal their defaults (the decoder puts
+    those back): a field nobody sets costs no byte."""
+    cls = type(value)
+    values = [getattr(value, name) for name, _ in _HINTS[cls]]
+    defaults = _DEFAULTS[cls]
+    end = len(values)
+    while end and _at_default(values[end - 1], defaults[end - 1]):
+        end -= 1
+    return [_array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
+            for v, (_, hint) in zip(values[:end], _HINTS[cls])]
+
+
+def _array_to_wire(value: np.ndarray, hint: Any) -> bytes:
+    return (f32(value) if hint is Float32Array else i32(value)).tobytes()
+
+
 def _to_wire(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return i32(value).tobytes()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [_to_wire(getattr(value, name)) for name, _ in _HINTS[type(value)]]
+        return _struct_to_wire(value)
     if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):  # e.g. 100k prompt token ids: no per-item call
             return value
@@ -522,6 +717,10 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, bytes) or len(value) % 4:
             raise ProtocolError(f"{where}: expected int32 bytes")
         return np.frombuffer(value, dtype="<i4")
+    if hint is Float32Array:
+        if not isinstance(value, bytes) or len(value) % 4:
+            raise ProtocolError(f"{where}: expected float32 bytes")
+        return np.frombuffer(value, dtype="<f4")
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:

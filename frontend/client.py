@@ -11,6 +11,7 @@ raises `EngineConnectionError` instead of waiting forever.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import numbers
@@ -41,6 +42,7 @@ from common.protocol import (
     ProfileStatus,
     RequestOutput,
     RequestOutputs,
+    SampleOutput,
     StartProfile,
     StopProfile,
     Submit,
@@ -54,6 +56,57 @@ from frontend.cli import ArgumentParser, HelpFormatter
 
 class EngineConnectionError(RuntimeError):
     """The engine did not answer (not running, wrong address, or it died)."""
+
+
+def output_dict(out: RequestOutput) -> dict[str, Any]:
+    """A finished request's output as plain data, as `LLM.generate` returns it: nano-vllm's `text` and
+    `token_ids` (of sample 0) with its `finish_reason` and `stop_reason`, `error`, `num_prompt_tokens`,
+    `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids, finish_reason,
+    stop_reason, logprobs, cumulative_logprob); and `prompt_logprobs` (None unless asked for)."""
+    prompt = out.prompt_logprobs
+    return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason, "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+            "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics,
+            "outputs": [dataclasses.asdict(s) for s in out.outputs],
+            "prompt_logprobs": None if prompt is None else [p and dataclasses.asdict(p) for p in prompt]}
+
+
+# Sampling flags shared by the client and launch.py (vLLM's names); their values build SamplingParams.
+SAMPLING_FLAGS = ("n", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "min_tokens", "stop", "logprobs", "prompt_logprobs")
+
+
+def add_sampling_arguments(group: Any) -> None:
+    """Add the sampling flags beyond --temperature, --max-tokens, --ignore-eos and --seed to a parser group."""
+    group.add_argument("--n", type=int, default=1, help="samples per prompt (the prompt is computed once)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens while the "
+                       "probability of those more likely is below this, in (0, 1]; 1 = off")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the most likely one, in [0, 1]; 0 = off")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 0: logits of prompt and output tokens are divided (positive) or multiplied "
+                            "(negative) by it; 1 = off")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: subtracted from the logit of every token already generated")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: times its count, subtracted from the logit of every generated token")
+    group.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before a stop token or "
+                       "stop string may end the output")
+    group.add_argument("--stop", action="append", default=None, help="a stop string (repeat for several)")
+    group.add_argument("--logprobs", type=int, default=None,
+                       help="return each sampled token's logprob and the N most likely (0..20)")
+    group.add_argument("--prompt-logprobs", type=int, default=None,
+                       help="return each prompt token's logprob and the N most likely (0..20)")
+
+
+def sampling_params_from_args(parser: ArgumentParser, args: Any, **fields: Any) -> SamplingParams:
+    """SamplingParams from the sampling flags (`args`, parsed by `parser`) plus `fields`; a bad value exits
+    with a one-line error naming its flag (e.g. "--top-p must be a finite number in (0, 1] ...")."""
+    try:
+        return SamplingParams(**fields, **{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    except ValueError as exc:
+        parser.option_error(str(exc))
 
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
@@ -344,6 +397,59 @@ class EngineClient:
         self.sock.close()
 
 
+class StreamedOutput:
+    """The whole output of one streamed request so far, put together from its deltas: `add` each
+    `RequestOutput` of the request in the order they came, and `output()` is what the request's one
+    output would have been without streaming (every sample's text, token ids and logprobs so far)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.samples: dict[int, SampleOutput] = {}  # by index
+        self.prompt_logprobs: list[Any] | None = None
+        self.last: RequestOutput | None = None  # the latest delta: request-level fields and, once finished, metrics
+
+    def add(self, out: RequestOutput) -> None:
+        for delta in out.outputs:
+            whole = self.samples.setdefault(delta.index, SampleOutput(delta.index))
+            whole.text += delta.text
+            whole.token_ids = whole.token_ids + list(delta.token_ids)
+            if delta.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + list(delta.logprobs)
+            whole.finish_reason = delta.finish_reason or whole.finish_reason
+            if delta.stop_reason is not None:
+                whole.stop_reason = delta.stop_reason
+            if delta.cumulative_logprob is not None:  # a running sum: the latest is the whole
+                whole.cumulative_logprob = delta.cumulative_logprob
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.last = out
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens of every sample so far."""
+        return sum(len(s.token_ids) for s in self.samples.values())
+
+    def output(self) -> RequestOutput:
+        samples = [self.samples[i] for i in sorted(self.samples)] or [SampleOutput(0)]
+        first, last = samples[0], self.last or RequestOutput(self.request_id)
+        return RequestOutput(self.request_id, first.text, first.token_ids, last.finished, first.finish_reason,
+                             last.error, last.num_prompt_tokens, last.num_cached_tokens, dict(last.metrics),
+                             first.stop_reason, first.logprobs, first.cumulative_logprob, self.prompt_logprobs,
+                             first.index, samples[1:])
+
+
+def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:
+    """One line of `--json` output (client and launch.py): the prompt, `output_dict` with the metrics
+    flattened in."""
+    row = {"prompt": prompt, **output_dict(out)}
+    row.update(row.pop("metrics"))
+    return row
+
+
 def undecodable_text(text: str) -> str | None:
     """Where `text` has no UTF-8 encoding (a byte the shell passed undecoded, kept by Python as a
     surrogate escape, or any lone surrogate); None if it has one."""
@@ -402,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seed in [0, 2**63) that makes each prompt's samples reproducible (default: the engine's "
                         "own seeded stream)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt when it finishes (a failed one with its error)")
@@ -428,11 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--start-profile STEPS must be >= 0, got {args.start_profile}")
     if not args.timeout > 0:  # also refuses NaN
         p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
-    try:
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        p.option_error(str(exc))
+    params = sampling_params_from_args(p, args, temperature=args.temperature, max_tokens=args.max_tokens,
+                                       seed=args.seed, ignore_eos=args.ignore_eos)
     for n, text in enumerate(args.prompts, 1):
         where = undecodable_text(text)
         if where is not None:
@@ -459,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if profiling:
         return profile_command(client, args.start_profile, args.json)
-    stream = len(args.prompts) == 1 and not args.json
+    stream = len(args.prompts) == 1 and not args.json and params.n == 1
     reqs: list[GenerateRequest] = []
     for text in args.prompts:
         req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=stream)
@@ -480,10 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 if not out.finished:
                     continue
-                results[out.request_id] = {"prompt": args.prompts[order[out.request_id]], "text": out.text,
-                                           "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                           "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
-                                           "num_cached_tokens": out.num_cached_tokens, **out.metrics}
+                results[out.request_id] = json_row(args.prompts[order[out.request_id]], out)
                 if out.error:
                     if stream:  # end the line of the text streamed so far
                         print()
@@ -492,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # every prompt, failed ones too: one object per prompt
                     print(json.dumps(results[out.request_id], ensure_ascii=False))
                 elif not stream and not out.error:
-                    print(f"--- {results[out.request_id]['prompt']}\n{out.text}\n")
+                    for sample in out.outputs:
+                        label = f" [sample {sample.index}]" if params.n > 1 else ""
+                        print(f"--- {results[out.request_id]['prompt']}{label}\n{sample.text}\n")
         if stream and not status:
             print()
     except KeyboardInterrupt:

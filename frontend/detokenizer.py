@@ -88,9 +88,12 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             self._backend = tokenizer.backend_tokenizer
 
-    def step(self, token_id: int) -> str:
-        """Add one output token; return the new text it completes ("" while a character is partial)."""
+    def step(self, token_id: int, emit: bool = True) -> str:
+        """Add one output token; return the new text it completes ("" while a character is partial).
+        With `emit` False the token is recorded but its text left out (a stop token's)."""
         self.token_ids.append(token_id)
+        if not emit:
+            return ""
         if self._bytes is not None:
             piece = self._utf8.decode(self._bytes(token_id, self._skip_special))
         else:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from common.config import EngineConfig
 from common.protocol import GenerateRequest, ProfileStatus, RequestOutput
 from common.sampling_params import SamplingParams
-from frontend.client import EngineClient, set_prompt
+from frontend.client import EngineClient, output_dict, set_prompt
 from frontend.launcher import EngineProcesses
 
 log = logging.getLogger("deltaserve")
@@ -74,11 +74,14 @@ class LLM:
 
         A prompt is a text, token ids (a list or a numpy array), or vLLM's dict prompts `{"prompt": text}`
         and `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them. Each dict has `text`,
-        `token_ids` (output ids), `finish_reason` ("stop", "length" or "error"), `error` (why a request
-        was rejected, else None), `num_prompt_tokens`, `num_cached_tokens` and `metrics` (ttft_s, e2e_s).
-        A rejected request (e.g. empty, longer than max_model_len, a token id out of the vocabulary, text
-        with a lone surrogate, sampling parameters out of range) fails alone; the others run. The progress
-        bar (`use_tqdm`) shows the input and output tokens per second. Raises `TypeError` for prompts of the
+        `token_ids` (output ids), `finish_reason` ("stop", "length" or "error") and `stop_reason` (the stop
+        string or token id that ended it) of the first sample, `error` (why a request was rejected, else
+        None), `num_prompt_tokens`, `num_cached_tokens`, `metrics` (ttft_s, e2e_s, num_preemptions),
+        `outputs` (one dict per sample, n of them: index, text, token_ids, finish_reason, stop_reason,
+        logprobs, cumulative_logprob) and `prompt_logprobs` (None unless asked for). A rejected request
+        (e.g. empty, longer than max_model_len, a token id out of the vocabulary, text with a lone
+        surrogate, sampling parameters out of range) fails alone; the others run. The progress bar
+        (`use_tqdm`) shows the input and output tokens per second. Raises `TypeError` for prompts of the
         wrong type (bytes included: decode them to str; chat messages go to `chat`), and `EngineDeadError`
         if an engine process dies or after `shutdown()`.
         """
@@ -204,9 +207,7 @@ class LLM:
         """The dict `generate` returns for prompt `i`, from its final output."""
         if out.error:
             log.warning("prompt %d failed: %s", i, out.error)
-        return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "error": out.error,
-                "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
-                "metrics": out.metrics}
+        return output_dict(out)
 
     def start_profile(self, num_steps: int = 0) -> ProfileStatus:
         """Start tracing every engine process at the next step (vLLM's `LLM.start_profile`), for at most

@@ -10,6 +10,9 @@ the launcher cannot see) fails every pending request and ends this process, and 
 
 Validation happens here, per request, before anything is queued: a bad request gets an error
 output naming the limit, and the others in the same message go ahead.
+
+A request of n samples takes the seq ids seq_id .. seq_id + n - 1 (the scheduler forks them); its
+outputs gather every sample's news (frontend/outputs.py: stop strings, stop-token text, logprobs).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from common.protocol import (
     GetEngineInfo,
     Ping,
     Pong,
+    PositionLogprobs,
     ProcessReady,
     ProfileStart,
     ProfileStatus,
@@ -52,6 +56,7 @@ from common.protocol import (
     ProtocolError,
     RequestOutput,
     RequestOutputs,
+    SamplingOptions,
     StartProfile,
     StepOutputs,
     StopProfile,
@@ -62,7 +67,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.units import count
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.outputs import SampleState, TokenTexts, prompt_logprobs_of, sampled_logprobs
 
 log = logging.getLogger("deltaserve.frontend")
 # While validating a long submission, clients hear a Pong this often (seconds), so that their silence
@@ -137,16 +142,34 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
 class RequestState:
     client: bytes
     request_id: str
-    seq_id: int
+    seq_id: int  # of sample 0; sample i has seq_id + i
     params: SamplingParams
     num_prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
+    samples: list[SampleState]
     arrival_time: float
+    prompt_token_ids: list[int] = field(default_factory=list)
     stream: bool = False
     first_token_time: float = 0.0
     num_cached_tokens: int = 0
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
+    num_preemptions: int = 0
+    error: str | None = None
+    num_unfinished: int = 1
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # position 0 is None
+    prompt_logprobs_sent: bool = False
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, alone and after a space (vLLM's rule: the spaced form counts only when
+    it begins with another token and has as many tokens, i.e. a space-joined variant of the word)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (bare, spaced) if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare) else (
+                bare,):
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 class FrontendProcess:
@@ -165,9 +188,11 @@ class FrontendProcess:
         self.scheduler_last_heard = time.monotonic()
         self.client_address = endpoints.client
         self.endpoints = endpoints
-        self.requests: dict[int, RequestState] = {}  # by seq_id
-        self.not_started: set[int] = set()  # seq ids of requests without a first token yet (max_waiting_requests)
-        self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq_id
+        self.requests: dict[int, RequestState] = {}  # by the seq id of sample 0
+        self.samples: dict[int, tuple[RequestState, SampleState]] = {}  # by seq id, while the sample runs
+        self.not_started: set[int] = set()  # sample 0's seq ids of requests without a first token yet
+        self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq id of sample 0
+        self.token_texts = TokenTexts(self.tokenizer)
         self.next_seq_id = 0
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -249,7 +274,7 @@ class FrontendProcess:
         gone = {c for c, t in self.last_seen.items() if now - t > self.client_silence_s}
         if not gone:
             return
-        seq_ids = [seq for (c, _), seq in self.by_client.items() if c in gone]
+        seq_ids = [seq for (c, _), base in self.by_client.items() if c in gone for seq in self._sample_seq_ids(base)]
         for c in gone:
             del self.last_seen[c]
         if seq_ids:
@@ -279,10 +304,12 @@ class FrontendProcess:
             now = time.time()
             per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
             for st in self.requests.values():
-                out = self._output(st, now, finished=True)
-                out.finish_reason, out.error = "error", why
-                per_client[st.client].append(out)
+                for sample in st.samples:
+                    sample.finish("error")
+                st.error = why
+                per_client[st.client].append(self._output(st, now, finished=True))
             self.requests.clear()
+            self.samples.clear()
             self.by_client.clear()
             self.not_started.clear()
             if per_client:
@@ -304,7 +331,8 @@ class FrontendProcess:
         if isinstance(msg, Submit):
             self._submit(client, msg)
         elif isinstance(msg, Abort):
-            seq_ids = [self.by_client[(client, rid)] for rid in msg.request_ids if (client, rid) in self.by_client]
+            seq_ids = [seq for rid in msg.request_ids if (client, rid) in self.by_client
+                       for seq in self._sample_seq_ids(self.by_client[(client, rid)])]
             if seq_ids:
                 ipc.send(self.to_scheduler, AbortSeqs(seq_ids))
         elif isinstance(msg, GetEngineInfo):
@@ -351,8 +379,7 @@ class FrontendProcess:
                                               error=shorten(str(exc)),
                                               num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0)))
                 continue
-            self.requests[state.seq_id] = state
-            self.by_client[(client, req.request_id)] = state.seq_id
+            self._register(state)
             accepted.append(engine_req)
         if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
             first = rejected[0].request_id if rejected else taken[0]
@@ -360,6 +387,8 @@ class FrontendProcess:
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]
+                for i in range(len(state.samples)):
+                    del self.samples[state.seq_id + i]
                 rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why))
             accepted = []
         if accepted:
@@ -374,9 +403,27 @@ class FrontendProcess:
                 f"requests): {quote(taken)}", refused_request_ids=taken))
         self.phases.end()
 
+    def _register(self, state: RequestState) -> None:
+        self.requests[state.seq_id] = state
+        self.by_client[(state.client, state.request_id)] = state.seq_id
+        for sample in state.samples:
+            self.samples[state.seq_id + sample.index] = (state, sample)
+
+    def _sample_seq_ids(self, base: int) -> list[int]:
+        """The seq ids of the samples of request `base` that still run."""
+        st = self.requests.get(base)
+        return [] if st is None else [base + s.index for s in st.samples if not s.finished]
+
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
         params = SamplingParams.from_dict(req.sampling)
+        vocab = self.config.vocab_size
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be in [1, max_num_seqs={self.config.max_num_seqs}] (the samples run at "
+                             f"once), got {params.n}")
+        bad_bias = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if bad_bias:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad_bias[0]}")
         ids = encode_prompt(self.tokenizer, req, self.max_prompt_chars)  # ints: the protocol checked given ids
         try:
             arr = np.asarray(ids, dtype=np.int64)
@@ -385,21 +432,45 @@ class FrontendProcess:
                                  or f"prompt token ids must be in [0, 2**63); got min {min(ids)}, max {max(ids)}",
                                  len(ids)) from None
         assert self.config.max_model_len is not None
-        error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks,
-                                   self.config.vocab_size)
+        error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks, vocab)
         if error is not None:
             raise PromptRejected(error, len(ids))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         seq_id = self.next_seq_id
-        self.next_seq_id += 1
+        self.next_seq_id += params.n
         now = time.time()
-        engine_req = EngineRequest(seq_id, i32(arr), float(params.temperature), params.max_tokens, params.seed,
-                                   sorted(stop_ids), now)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        return engine_req, RequestState(client, req.request_id, seq_id, params, len(ids), detok, now,
-                                        stream=req.stream)
+        temperature = 0.0 if params.greedy else float(params.temperature)
+        engine_req = EngineRequest(seq_id, i32(arr), temperature, params.max_tokens, params.seed, sorted(stop_ids),
+                                   now, self._options(params, stop_ids), params.n)
+        samples = [SampleState(i, self.tokenizer, ids, params) for i in range(params.n)]
+        state = RequestState(client, req.request_id, seq_id, params, len(ids), samples, now, ids, stream=req.stream,
+                             num_unfinished=params.n,
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        return engine_req, state
+
+    def _options(self, params: SamplingParams, stop_ids: set[int]) -> SamplingOptions | None:
+        """What the workers must apply, or None for a request that uses only temperature. Greedy requests
+        drop top_k, top_p and min_p (an argmax stays the argmax); ids past the vocabulary cannot be
+        sampled, so they are not masked."""
+        vocab = self.config.vocab_size
+        greedy = params.greedy
+        options = SamplingOptions(
+            top_k=0 if greedy or params.top_k <= 0 or params.top_k >= vocab else params.top_k,
+            top_p=1.0 if greedy else float(params.top_p),
+            min_p=0.0 if greedy else float(params.min_p),
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty),
+            logit_bias=dict(params.logit_bias or {}),
+            bad_words=[w for w in bad_words_token_ids(self.tokenizer, params.bad_words or []) if max(w) < vocab],
+            min_tokens=params.min_tokens,
+            stop_token_ids=sorted(t for t in stop_ids if t < vocab) if params.min_tokens else [],
+            logprobs=-1 if params.logprobs is None else params.logprobs,
+            prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+        )
+        return None if options == SamplingOptions() else options
 
     # ------------------------------------------------------------------ scheduler outputs
     def _handle_scheduler(self, raw: bytes) -> None:
@@ -415,58 +486,78 @@ class FrontendProcess:
         self.phases.begin("detokenize", msg.step_id)
         now = time.time()
         touched: dict[int, RequestState] = {}
-        requests = self.requests
-        for seq_id, token in zip(msg.seq_ids.tolist(), msg.token_ids.tolist()):
-            st = requests.get(seq_id)
-            if st is None:
-                continue
+        samples = self.samples
+        stopping = {fin.seq_id for fin in msg.finished if fin.reason == "stop"}  # by their last token, in this step
+        logprobs = sampled_logprobs(msg.logprobs, msg.token_ids, self.token_texts)
+        stopped_by_text: list[int] = []
+        for i, (seq_id, token) in enumerate(zip(msg.seq_ids.tolist(), msg.token_ids.tolist())):
+            entry = samples.get(seq_id)
+            if entry is None:
+                continue  # finished already (a stop string, an abort): a late token
+            st, sample = entry
             if not st.first_token_time:
                 st.first_token_time = now
-                self.not_started.discard(seq_id)
-            piece = st.detokenizer.step(token)
-            if st.stream:
-                st.new_token_ids.append(token)
-                st.new_text += piece
-                touched[seq_id] = st
+                self.not_started.discard(st.seq_id)
+            if sample.add(token, logprobs.get(i), stop_token=seq_id in stopping):
+                del samples[seq_id]  # a stop string: the scheduler aborts it, and its later news is dropped
+                st.num_unfinished -= 1
+                stopped_by_text.append(seq_id)
+            touched[st.seq_id] = st
+        if msg.prompt_logprobs is not None:
+            prompts = {seq: (st.prompt_token_ids, st.prompt_logprobs) for seq, st in self.requests.items()
+                       if st.prompt_logprobs is not None}
+            prompt_logprobs_of(msg.prompt_logprobs, prompts, self.token_texts)
         for seq_id, cached in msg.num_cached_tokens.items():
-            if seq_id in requests:
-                requests[seq_id].num_cached_tokens = cached
-        per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+            if seq_id in self.requests:
+                self.requests[seq_id].num_cached_tokens = cached
         for fin in msg.finished:
-            st = requests.pop(fin.seq_id, None)
-            if st is None:
+            entry = samples.pop(fin.seq_id, None)
+            if entry is None:
                 continue
-            touched.pop(fin.seq_id, None)
-            self.by_client.pop((st.client, st.request_id), None)
-            self.not_started.discard(fin.seq_id)
-            tail = st.detokenizer.flush()
-            if st.stream:
-                st.new_text += tail
+            st, sample = entry
+            sample.finish(fin.reason)
+            st.num_unfinished -= 1
+            st.num_preemptions += fin.num_preemptions
+            if fin.seq_id == st.seq_id:
+                st.num_cached_tokens = fin.num_cached_tokens
             if fin.reason == "error":
                 log.warning("request %s failed: %s", st.request_id, fin.error)
-            out = self._output(st, now, finished=True)
-            out.finish_reason, out.error = fin.reason, fin.error
-            out.num_cached_tokens = fin.num_cached_tokens
-            out.metrics["num_preemptions"] = fin.num_preemptions
-            per_client[st.client].append(out)
-        for st in touched.values():  # streaming requests that got tokens and go on
-            per_client[st.client].append(self._output(st, now, finished=False))
+                st.error = st.error or fin.error
+            touched[st.seq_id] = st
+        if stopped_by_text:
+            ipc.send(self.to_scheduler, AbortSeqs(stopped_by_text))
+        per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for st in touched.values():
+            if st.num_unfinished == 0:
+                del self.requests[st.seq_id]
+                self.by_client.pop((st.client, st.request_id), None)
+                self.not_started.discard(st.seq_id)
+                per_client[st.client].append(self._output(st, now, finished=True))
+            elif st.stream and any(s.has_news() for s in st.samples):
+                per_client[st.client].append(self._output(st, now, finished=False))
         self.phases.begin("send to clients", msg.step_id)
         for client, outputs in per_client.items():
             self._reply(client, RequestOutputs(outputs))
         self.phases.end()
 
     def _output(self, st: RequestState, now: float, finished: bool) -> RequestOutput:
-        """News of one request: the delta when streaming, the whole output when finished otherwise."""
+        """News of one request: every sample's delta when streaming, the whole output when finished
+        otherwise. Prompt logprobs go in the first output of a streamed request, else in the last."""
         if st.stream:
-            text, ids = st.new_text, st.new_token_ids
-            st.new_text, st.new_token_ids = "", []
+            outs = [s.take(stream=True) for s in st.samples if s.has_news()] or [st.samples[0].take(stream=True)]
         else:
-            text, ids = st.detokenizer.text, st.detokenizer.token_ids
-        out = RequestOutput(st.request_id, text, ids, finished, None, None, st.num_prompt_tokens, st.num_cached_tokens)
+            outs = [s.take(stream=False) for s in st.samples]
+        first = outs[0]
+        prompt_logprobs = None
+        if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and (st.stream or finished):
+            prompt_logprobs, st.prompt_logprobs_sent = st.prompt_logprobs, True
+        out = RequestOutput(st.request_id, first.text, first.token_ids, finished, first.finish_reason,
+                            st.error if finished else None, st.num_prompt_tokens, st.num_cached_tokens, {},
+                            first.stop_reason, first.logprobs, first.cumulative_logprob, prompt_logprobs, first.index,
+                            outs[1:])
         if finished:
             out.metrics = {"ttft_s": (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0,
-                           "e2e_s": now - st.arrival_time}
+                           "e2e_s": now - st.arrival_time, "num_preemptions": st.num_preemptions}
         return out
 
     def close(self) -> None:

@@ -171,6 +171,20 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_tokens) - len(cached_block_ids)):
             seq.block_table.append(self._take_free_block())
 
+    def fork(self, parent: Sequence, child: Sequence, num_shared: int, copy_last: bool) -> None:
+        """Give `child` (without blocks) `parent`'s first `num_shared` blocks, shared by reference count,
+        and with `copy_last` a fresh block for its copy of the parent's next one (copy-on-write of a
+        partial block; the caller checked a block is free). Sets `child.block_table`,
+        `child.num_hashed_blocks`."""
+        assert not child.block_table, "fork() is for sequences without blocks"
+        shared = parent.block_table[:num_shared]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        if copy_last:
+            child.block_table.append(self._take_free_block())
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_shared)
+
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks a running `seq` lacks to hold `num_tokens` tokens."""
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))

@@ -226,9 +226,7 @@ class SchedulerProcess:
         if isinstance(msg, AddRequests):
             errors: list[FinishedSeq] = []
             for req in msg.requests:
-                error = sched.add_request(req)
-                if error is not None:
-                    errors.append(error)
+                errors.extend(sched.add_request(req))
             if errors:
                 ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=errors))
         elif isinstance(msg, AbortSeqs):

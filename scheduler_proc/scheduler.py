@@ -13,7 +13,14 @@ Continuing batching with a token budget, in the style of vLLM's v1 scheduler:
   input of step N+1 themselves. At most `max_steps_in_flight` steps are outstanding.
 - Limits: a prompt must be shorter than `max_model_len` and fit in the whole KV cache; output
   stops at `max_tokens`, at `max_model_len` total tokens, or when the whole cache cannot hold
-  the request's next token (all three finish with reason "length").
+  the request's next token (all three finish with reason "length"); a stop token ends it (reason
+  "stop") once `min_tokens` tokens were generated.
+- Samples (n > 1): the prompt is computed once, by sample 0. In the step that computes its last
+  prompt token, samples 1..n-1 are forked from it: each takes the full prompt blocks by reference
+  count and a block of its own for a copy of the last, partial one (copy-on-write; the workers copy
+  its KV after the forward), and samples its first token from the same logits with its own seed.
+  Samples that do not fit then (no free block, or `max_num_seqs`) wait as new requests, whose full
+  prompt blocks are prefix-cache hits. From the fork on, every sample is a sequence of its own.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from common.limits import prompt_limit_error
 from common.protocol import (
     EngineRequest,
     FinishedSeq,
+    ForkedRequest,
+    Logprobs,
     NewBlocks,
     NewRequest,
     ResumedRequest,
@@ -70,21 +81,25 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: EngineRequest) -> FinishedSeq | None:
-        """Queue a request, or return its error if it can never run (nothing is queued then)."""
+    def add_request(self, req: EngineRequest) -> list[FinishedSeq]:
+        """Queue a request; if it can never run, queue nothing and return the error of each of its
+        samples' seq ids (empty when queued)."""
         error = self.check_request(req)
         if error is not None:
-            return FinishedSeq(req.seq_id, "error", 0, error)
+            return [FinishedSeq(req.seq_id + i, "error", 0, error) for i in range(max(1, req.n))]
         seq = Sequence(req)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
-        return None
+        return []
 
     def check_request(self, req: EngineRequest) -> str | None:
         """Why `req` can never run, or None. Limits are named in the message."""
         cfg = self.config
-        if req.seq_id in self.seqs:
-            return f"duplicate sequence id {req.seq_id}"
+        if req.n < 1:
+            return f"n must be >= 1, got {req.n}"
+        taken = [req.seq_id + i for i in range(req.n) if req.seq_id + i in self.seqs]
+        if taken:
+            return f"duplicate sequence id {taken[0]}"
         if req.max_tokens < 1 or req.temperature < 0:
             return "max_tokens must be >= 1 and temperature >= 0"
         return prompt_limit_error(req.prompt_token_ids, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
@@ -123,7 +138,9 @@ class Scheduler:
         decode_seqs: list[Sequence] = []
         new_blocks: list[NewBlocks] = []
         preempted_ids: list[int] = []
-        sampling: tuple[list[Sequence], ...] = ([], [], [], [])  # new, resumed, prefill, decode rows
+        forks: list[ForkedRequest] = []
+        forked: list[Sequence] = []  # join `running` after planning, sample after every row
+        sampling: tuple[list[Sequence], ...] = ([], [], [], [], forked)  # new, resumed, prefill, decode rows, forks
         num_scheduled = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
@@ -152,6 +169,8 @@ class Scheduler:
             if need:
                 new_blocks.append(NewBlocks(seq.seq_id, i32(bm.append_blocks(seq, need))))
             samples = self._advance(seq, n)
+            if samples and seq.num_unforked:
+                self._fork(seq, forks, forked)
             if n == 1:
                 decode_seqs.append(seq)
                 if samples:
@@ -168,11 +187,11 @@ class Scheduler:
         # 2. Waiting requests in arrival order (preempted ones were put back at the front).
         if not preempted_ids:
             bs = self.config.block_size
-            while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(running) + len(forked) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_pending_tokens:
                     break  # preempted while a step was in flight: wait for that token first
-                cached = bm.find_cached_prefix(seq)
+                cached = bm.find_cached_prefix(seq) if seq.use_prefix_cache else []
                 num_computed = len(cached) * bs
                 n = min(seq.num_tokens - num_computed, budget)
                 if not bm.can_allocate(cached, num_computed + n):
@@ -185,11 +204,13 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 running.append(seq)
                 samples = self._advance(seq, n)
+                if samples and seq.num_unforked:
+                    self._fork(seq, forks, forked)
                 if not seq.known_to_workers:
                     seq.known_to_workers = True
                     new_requests.append(NewRequest(
                         seq.seq_id, i32(seq.token_ids), seq.temperature, seq.seed, i32(seq.block_table),
-                        num_computed, n))
+                        num_computed, n, seq.options))
                     if samples:
                         sampling[0].append(seq)
                 else:
@@ -211,7 +232,9 @@ class Scheduler:
             new_blocks=new_blocks,
             finished_seq_ids=i32(self.finished_for_workers),
             preempted_seq_ids=i32(preempted_ids),
+            forked_requests=forks,
         )
+        running.extend(forked)
         self.finished_for_workers = []
         if num_scheduled:
             sampling_seqs = [s for rows in sampling for s in rows]
@@ -233,6 +256,31 @@ class Scheduler:
         if min(seq.num_computed_tokens, len(seq.token_ids)) // self.config.block_size > seq.num_hashed_blocks:
             self.block_manager.cache_full_blocks(seq)
         return samples
+
+    def _fork(self, parent: Sequence, forks: list[ForkedRequest], forked: list[Sequence]) -> None:
+        """Fork `parent`'s remaining samples in the step that computes its last prompt token (see the
+        module docstring); those that do not fit go to the front of the waiting queue."""
+        bm = self.block_manager
+        num_full, partial = divmod(parent.num_prompt_tokens, self.config.block_size)
+        while parent.num_unforked and len(self.running) + len(forked) < self.config.max_num_seqs and (
+                not partial or bm.num_free_blocks > 0):
+            fork = parent.make_fork()
+            bm.fork(parent, fork, num_full, copy_last=bool(partial))
+            fork.block_hashes = list(parent.block_hashes)
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.num_pending_tokens = 1  # its first token, sampled in this step from the parent's logits
+            fork.num_cached_tokens = parent.num_cached_tokens
+            fork.status = SeqStatus.RUNNING
+            fork.known_to_workers = True
+            self.seqs[fork.seq_id] = fork
+            forked.append(fork)
+            forks.append(ForkedRequest(fork.seq_id, parent.seq_id, fork.seed, i32(fork.block_table)))
+        later = []
+        while parent.num_unforked:
+            fork = parent.make_fork()
+            self.seqs[fork.seq_id] = fork
+            later.append(fork)
+        self.waiting.extendleft(reversed(later))
 
     def _preempt(self, seq: Sequence) -> int:
         """Free `seq`'s blocks and put it at the front of the waiting queue (recompute later)."""
@@ -256,6 +304,9 @@ class Scheduler:
             self.finished_for_workers.append(seq.seq_id)
         del self.seqs[seq.seq_id]
         finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions))
+        while seq.num_unforked:  # samples never forked (it ended before its prompt did) end with it
+            fork = seq.make_fork()
+            finished.append(FinishedSeq(fork.seq_id, reason, 0, error))
 
     # ------------------------------------------------------------------ results
     def process_result(self, result: StepResult) -> StepOutputs:
@@ -272,28 +323,32 @@ class Scheduler:
             raise RuntimeError(f"step {step.step_id}: {len(tokens)} tokens for {len(step.sampling_seqs)} sampling rows")
         out_ids: list[int] = []
         out_tokens: list[int] = []
+        out_index = [-1] * len(tokens)  # sampling row -> its index in the outputs (-1: dropped)
         finished: list[FinishedSeq] = []
         cached: dict[int, int] = {}
         max_model_len = self.config.max_model_len
         bs = self.config.block_size
-        for seq, token in zip(step.sampling_seqs, tokens):
+        for row, (seq, token) in enumerate(zip(step.sampling_seqs, tokens)):
             seq.num_pending_tokens -= 1
             if seq.status is SeqStatus.FINISHED:
                 continue  # it stopped in an earlier step; this token was computed speculatively
             seq.token_ids.append(token)
+            out_index[row] = len(out_ids)
             out_ids.append(seq.seq_id)
             out_tokens.append(token)
             if not seq.first_token_sent:
                 seq.first_token_sent = True
                 cached[seq.seq_id] = seq.num_cached_tokens
             num_tokens = len(seq.token_ids)
-            if token in seq.stop_token_ids:
+            if token in seq.stop_token_ids and num_tokens - seq.num_prompt_tokens > seq.min_tokens:
                 self._finish(seq, "stop", finished)
             elif num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= max_model_len:
                 self._finish(seq, "length", finished)
             elif min(seq.num_computed_tokens, num_tokens) // bs > seq.num_hashed_blocks:
                 self.block_manager.cache_full_blocks(seq)
-        return StepOutputs(result.step_id, i32(out_ids), i32(out_tokens), finished, cached)
+        logprobs = _select_rows(result.logprobs, out_index) if result.logprobs is not None else None
+        return StepOutputs(result.step_id, i32(out_ids), i32(out_tokens), finished, cached, logprobs,
+                           result.prompt_logprobs)
 
     def check_invariants(self) -> None:
         """Block accounting invariants plus the scheduler's own (tests call this every step)."""
@@ -307,3 +362,21 @@ class Scheduler:
                 assert len(seq.block_table) == self.block_manager.blocks_needed(seq.num_computed_tokens), seq
         if not live:
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks
+
+
+def _select_rows(lp: Logprobs, new_index: list[int]) -> Logprobs | None:
+    """`lp` with each row r renamed `new_index[r]`, and rows whose new index is -1 left out (None if none
+    is left). Its rows hold one position each (sampled tokens)."""
+    rows = lp.rows.tolist()
+    keep = [i for i, r in enumerate(rows) if new_index[r] >= 0]
+    if not keep:
+        return None
+    if len(keep) == len(rows):
+        return Logprobs(i32([new_index[r] for r in rows]), *[getattr(lp, f) for f in _LOGPROBS_FIELDS[1:]])
+    top_start = np.concatenate([[0], np.cumsum(lp.num_top)]).astype(np.int64)
+    top_keep = np.concatenate([np.arange(top_start[i], top_start[i + 1]) for i in keep]).astype(np.int64)
+    return Logprobs(i32([new_index[rows[i]] for i in keep]), lp.counts[keep], lp.num_top[keep],
+                    lp.token_logprobs[keep], lp.ranks[keep], lp.top_token_ids[top_keep], lp.top_logprobs[top_keep])
+
+
+_LOGPROBS_FIELDS = ("rows", "counts", "num_top", "token_logprobs", "ranks", "top_token_ids", "top_logprobs")

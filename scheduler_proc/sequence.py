@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
 
-from common.protocol import EngineRequest
+import numpy as np
+
+from common.protocol import EngineRequest, SamplingOptions
+from common.sampling_params import sample_seed
 
 
 class SeqStatus(Enum):
@@ -24,12 +28,16 @@ class Sequence:
     - `num_computed_tokens`: tokens whose KV is written by steps already scheduled.
     A step schedules `num_tokens - num_computed_tokens` tokens (or fewer, a prefill chunk); the row
     samples a new token exactly when it reaches `num_tokens`.
+
+    Samples (n > 1): the request's Sequence is sample 0 and holds `num_unforked` = n - 1 samples to
+    fork (seq ids `seq_id + 1 ..`) once its prompt is computed; each fork is a Sequence of its own.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "temperature", "max_tokens", "seed", "stop_token_ids",
         "arrival_time", "status", "block_table", "block_hashes", "num_hashed_blocks", "num_computed_tokens",
         "num_pending_tokens", "num_cached_tokens", "known_to_workers", "num_preemptions", "first_token_sent",
+        "options", "min_tokens", "num_unforked", "next_fork_index", "use_prefix_cache",
     )
 
     def __init__(self, req: EngineRequest) -> None:
@@ -41,6 +49,12 @@ class Sequence:
         self.seed = req.seed
         self.stop_token_ids = frozenset(req.stop_token_ids)
         self.arrival_time = req.arrival_time
+        self.options: SamplingOptions | None = req.options
+        self.min_tokens = req.options.min_tokens if req.options is not None else 0  # stop ids end it only after
+        self.num_unforked = req.n - 1
+        self.next_fork_index = 1
+        # Prompt logprobs need every prompt position computed: such requests never take cached blocks.
+        self.use_prefix_cache = req.options is None or req.options.prompt_logprobs < 0
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each leading full block of token_ids
@@ -51,6 +65,23 @@ class Sequence:
         self.known_to_workers = False  # workers hold its state (from its first plan until finished)
         self.num_preemptions = 0
         self.first_token_sent = False
+
+    def make_fork(self) -> Sequence:
+        """The next sample of this request: its prompt, parameters and seed stream (`sample_seed`), with no
+        blocks and nothing computed. It reports no prompt logprobs (sample 0 does)."""
+        index = self.next_fork_index
+        self.next_fork_index += 1
+        self.num_unforked -= 1
+        options = self.options
+        if options is not None and options.prompt_logprobs >= 0:
+            options = dataclasses.replace(options, prompt_logprobs=-1)
+        req = EngineRequest(self.seq_id + index, _NO_TOKENS, self.temperature, self.max_tokens,
+                            sample_seed(self.seed, index), [], self.arrival_time, options)
+        fork = Sequence(req)
+        fork.token_ids = self.token_ids[: self.num_prompt_tokens]
+        fork.num_prompt_tokens = self.num_prompt_tokens
+        fork.stop_token_ids = self.stop_token_ids
+        return fork
 
     @property
     def num_tokens(self) -> int:
@@ -65,3 +96,6 @@ class Sequence:
         return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, "
                 f"blocks={self.block_table})")
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)

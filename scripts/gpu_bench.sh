@@ -18,6 +18,14 @@ done
 # 40 full-batch decode steps in $out/profile (its throughput is not the benchmark's: it traces while it runs).
 timeout 400 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend triton \
     --profile-dir "$out/profile" 2>&1 | tee "$out/throughput-profiled.log"
+# Issue 11: every request with top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5 (compare with
+# throughput-triton), and the sampler's share of a decode step at batch 256, plain and filtered.
+timeout 300 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend triton --filtered \
+    --json "$out/throughput-triton-filtered.json" 2>&1 | tee "$out/throughput-triton-filtered.log"
+for flag in "" --filtered; do
+  timeout 300 python3 benchmarks/profile_step.py --model "$ckpt" --batch 256 --context 600 $flag \
+      2>&1 | tee "$out/profile-step${flag:+-filtered}.log"
+done
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

@@ -92,9 +92,11 @@ def reference_output(
 
 
 def make_request(seq_id: int, prompt: Sequence[int], max_tokens: int, stop_token_ids: Iterable[int] = (),
-                 temperature: float = 0.0) -> EngineRequest:
-    """A request as the frontend sends it (greedy by default; no stop ids = ignore_eos)."""
-    return EngineRequest(seq_id, i32(prompt), temperature, max_tokens, None, list(stop_token_ids), float(seq_id))
+                 temperature: float = 0.0, n: int = 1) -> EngineRequest:
+    """A request as the frontend sends it (greedy by default; no stop ids = ignore_eos). Its n samples
+    have seq ids seq_id .. seq_id + n - 1: the hash model gives all of them sample 0's output."""
+    return EngineRequest(seq_id, i32(prompt), temperature, max_tokens, None, list(stop_token_ids), float(seq_id),
+                         n=n)
 
 
 def synthetic_prompt(num_tokens: int, seed: int, low: int = 1000, high: int = 20000) -> list[int]:
@@ -213,6 +215,8 @@ class FakeWorker:
         for req in plan.new_requests:
             self.truth[req.seq_id] = req.prompt_token_ids.tolist()
         scheduled = self.batch.apply(plan)
+        for fork, parent in self.batch.forks:
+            self.truth[fork.seq_id] = self.truth[parent.seq_id][: parent.num_prompt_tokens]
         got_rows = [(st.seq_id, n) for st, n in scheduled]
         want_rows = [(r.seq_id, r.num_tokens) for r in expected.rows]
         assert got_rows == want_rows, f"step {plan.step_id}: worker rows {got_rows} != scheduler rows {want_rows}"
@@ -286,7 +290,18 @@ class FakeWorker:
                 f"step {plan.step_id} seq {st.seq_id}: KV at positions {stale[:8].tolist()} was computed for "
                 f"another prefix")
 
+        # Copy-on-write of forked samples: each fork's last prompt block gets its parent's (as the model
+        # runner copies the KV after the forward).
+        for fork, parent in inputs.forks:
+            n = parent.num_prompt_tokens
+            if n % bs:
+                src = int(self.batch.block_table[parent.row, n // bs])
+                dst = int(self.batch.block_table[fork.row, n // bs])
+                assert src != dst, f"fork {fork.seq_id} shares the partial block {src} of its parent"
+                self.kv_tokens[dst * bs:(dst + 1) * bs] = self.kv_tokens[src * bs:(src + 1) * bs]
+                self.kv_fingerprints[dst * bs:(dst + 1) * bs] = self.kv_fingerprints[src * bs:(src + 1) * bs]
         row_of = {id(st): b for b, (st, _) in enumerate(scheduled)}
+        row_of.update({id(fork): row_of[id(parent)] for fork, parent in inputs.forks})  # the parent's logits
         tokens = np.array([next_token(contexts[row_of[id(st)]][1], self.vocab_size) for st in inputs.sampling_states],
                           dtype=np.int32)
         self.last_sampled[inputs.sampling_rows] = tokens
@@ -355,13 +370,14 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ frontend side
     def add(self, req: EngineRequest) -> FinishedSeq | None:
-        self.requests[req.seq_id] = req
-        self.outputs[req.seq_id] = []
-        error = self.scheduler.add_request(req)
-        if error is not None:
+        for i in range(req.n):  # a request's samples: one output each, all expected to equal sample 0's
+            self.requests[req.seq_id + i] = req
+            self.outputs[req.seq_id + i] = []
+        errors = self.scheduler.add_request(req)
+        for error in errors:
             self._record_finished(error)
         self._check()
-        return error
+        return errors[0] if errors else None
 
     def abort(self, seq_ids: list[int]) -> list[FinishedSeq]:
         finished = self.scheduler.abort(seq_ids)
@@ -396,7 +412,9 @@ class FakeEngine:
         ended_while_planning = sched.take_finished()
         if ended_while_planning:
             self._record_outputs(StepOutputs(step_id=-1, finished=ended_while_planning))
-        lost = [s for s in self.requests if s not in self.finished and s not in sched.seqs]
+        unforked = {seq.seq_id + i for seq in sched.seqs.values()  # samples n > 1 still to fork from a live seq
+                    for i in range(seq.next_fork_index, seq.next_fork_index + seq.num_unforked)}
+        lost = [s for s in self.requests if s not in self.finished and s not in sched.seqs and s not in unforked]
         assert not lost, f"requests {lost} left the scheduler without a FinishedSeq: the client would wait forever"
 
     def worker_iteration(self) -> None:
@@ -515,6 +533,7 @@ class FakeEngine:
             rows.append(Row(seq_id, kind, start, n, known, tuple(seq.block_table)))
 
         sampling = sched.in_flight[-1].sampling_seqs if plan.step_id >= 0 else []
+        forked = {f.seq_id for f in plan.forked_requests}
         for r in plan.new_requests:
             add(r.seq_id, "new", r.num_scheduled_tokens)
         for r in plan.resumed_requests:
@@ -534,7 +553,9 @@ class FakeEngine:
             num_waiting=len(sched.waiting),
             running_before=running_before,
         )
-        assert [r.seq_id for r in rows if r.samples] == record.sampling_seq_ids
+        assert [r.seq_id for r in rows if r.samples] == [s for s in record.sampling_seq_ids if s not in forked]
+        assert record.sampling_seq_ids[len(record.sampling_seq_ids) - len(forked):] == [
+            f.seq_id for f in plan.forked_requests], "forks sample after every row, in plan order"
         self.steps.append(record)
         return record
 

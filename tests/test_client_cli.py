@@ -20,7 +20,7 @@ UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: the .invalid top-level domain
     (["--seed", "-1"], "--seed must be an integer in [0, 2**63) or None, got -1"),
     (["--seed", str(2**63)], f"--seed must be an integer in [0, 2**63) or None, got {2**63}"),
     (["--max-tokens", "0"], "--max-tokens must be an integer in [1, 2**63), got 0"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number in [0, 3.4e38]"),
 ])
 def test_a_sampling_value_out_of_range_is_refused_naming_the_option(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -20,6 +20,7 @@ from common.protocol import (
     PROTOCOL_VERSION,
     AddRequests,
     EngineRequest,
+    Float32Array,
     GenerateRequest,
     Int32Array,
     NewBlocks,
@@ -35,6 +36,7 @@ from common.protocol import (
     Submit,
     decode,
     encode,
+    f32,
     i32,
 )
 
@@ -47,6 +49,8 @@ def example_value(hint: Any, salt: int) -> Any:
     origin = typing.get_origin(hint)
     if hint is Int32Array:
         return i32([salt, -salt, 2**31 - 1, -(2**31)])
+    if hint is Float32Array:
+        return f32([0.5 * salt, -float("inf"), 3.4e38, -1e-30])
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         return example_value(inner[-1], salt)  # the last alternative: a value the earlier ones refuse
@@ -55,6 +59,8 @@ def example_value(hint: Any, salt: int) -> Any:
         return [example_value(item, salt + 1), example_value(item, salt + 2)]
     if origin is dict:
         key, value = typing.get_args(hint)
+        if key is int and value is float:
+            return {salt: 0.5 * salt, 7: -100.0}
         if key is int:
             return {salt: 3 * salt, 2**40: 0}
         if value in (float, int | float):
@@ -89,7 +95,7 @@ def example_message(cls: type, salt: int = 1) -> Any:
 def assert_same_message(actual: Any, expected: Any, where: str = "message") -> None:
     """Field-by-field equality, with int32 arrays compared by value and dtype, and exact types."""
     if isinstance(expected, np.ndarray):
-        assert isinstance(actual, np.ndarray) and actual.dtype == np.dtype("<i4"), where
+        assert isinstance(actual, np.ndarray) and actual.dtype == expected.dtype, where
         assert np.array_equal(actual, expected), where
     elif dataclasses.is_dataclass(expected):
         assert type(actual) is type(expected), where
@@ -493,7 +499,7 @@ def steady_decode_plans(context_len: int, num_requests: int = 32) -> list[StepPl
     rng = np.random.default_rng(context_len)
     for seq_id in range(num_requests):
         prompt = i32(rng.integers(1000, 20000, size=context_len))
-        assert scheduler.add_request(EngineRequest(seq_id, prompt, 0.0, 16, None, [], 0.0)) is None
+        assert scheduler.add_request(EngineRequest(seq_id, prompt, 0.0, 16, None, [], 0.0)) == []
     plans = []
     for _ in range(4):
         plan = scheduler.schedule()
@@ -525,3 +531,49 @@ def test_wire_error_names_the_first_value_msgpack_cannot_take() -> None:
     assert wire_error(GenerateRequest("a", prompt="x\ud800")).startswith("prompt is not valid Unicode text")
     assert wire_error(GenerateRequest("a", prompt="ok", sampling={"seed": np.int64(1)})) == \
         "sampling['seed'] is a int64, which cannot be sent (use int, float, str, list or dict)"
+
+
+# ============================================================================ request parameters on the wire
+def test_fields_at_their_defaults_cost_no_byte() -> None:
+    """A request that asks for nothing new (no options, n = 1) and a step without logprobs or forks encode
+    to exactly the bytes of the fields they had before those were appended."""
+    req = EngineRequest(3, i32([5, 6, 7]), 0.7, 16, 9, [2], 1.5)
+    old_fields = [3, i32([5, 6, 7]).tobytes(), 0.7, 16, 9, [2], 1.5]
+    assert encode(AddRequests([req])) == pack(PROTOCOL_VERSION, "AddRequests", [old_fields])
+    result = StepResult(4, i32([1, 2]), {"gpu_ms": 1.0})
+    assert encode(result) == pack(PROTOCOL_VERSION, "StepResult", 4, i32([1, 2]).tobytes(), {"gpu_ms": 1.0})
+    plan = StepPlan(5, decode_seq_ids=i32([1, 2]))
+    assert len(encode(plan)) == len(pack(PROTOCOL_VERSION, "StepPlan", 5, [], [], b"", b"", i32([1, 2]).tobytes()))
+
+
+def test_options_travel_once_and_only_the_fields_a_request_sets() -> None:
+    from common.protocol import SamplingOptions
+
+    plain = encode(AddRequests([EngineRequest(3, i32([5]), 0.7, 16, None, [], 1.5)]))
+    top_k = encode(AddRequests([EngineRequest(3, i32([5]), 0.7, 16, None, [], 1.5, SamplingOptions(top_k=50))]))
+    assert len(top_k) - len(plain) == 2  # the options struct: an array header and one small integer
+    decoded = decode(top_k).requests[0].options
+    assert decoded == SamplingOptions(top_k=50)
+
+
+@pytest.mark.parametrize("num_top", [0, 5, 20])
+def test_a_sampled_position_with_logprobs_costs_20_plus_8_n_bytes(num_top: int) -> None:
+    from common.protocol import Logprobs
+
+    def result(rows: int) -> StepResult:
+        return StepResult(1, i32(range(300)), {}, Logprobs(
+            i32(range(rows)), i32([1] * rows), i32([num_top] * rows), f32([-0.5] * rows), i32([2] * rows),
+            i32(list(range(rows * num_top))), f32([-1.0] * (rows * num_top))))
+
+    sizes = {rows: len(encode(result(rows))) for rows in (100, 200)}
+    assert (sizes[200] - sizes[100]) / 100 == 20 + 8 * num_top
+
+
+def test_request_output_lists_its_samples_in_index_order_for_any_n() -> None:
+    from common.protocol import SampleOutput
+
+    single = RequestOutput("r", "hi", [1, 2], finished=True, finish_reason="length")
+    assert [(s.index, s.text, s.token_ids, s.finish_reason) for s in single.outputs] == [(0, "hi", [1, 2], "length")]
+    several = RequestOutput("r", "b", [3], index=1, samples=[SampleOutput(3, "d", [5]), SampleOutput(0, "a", [4])])
+    decoded = decode(encode(RequestOutputs([several]))).outputs[0]
+    assert [(s.index, s.text) for s in decoded.outputs] == [(0, "a"), (1, "b"), (3, "d")]

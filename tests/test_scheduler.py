@@ -256,9 +256,9 @@ def test_add_request_rejects_requests_that_can_never_run_and_queues_nothing(
     sched = Scheduler(config(num_kv_blocks=10, max_model_len=100))
     req = make_request(7, synthetic_prompt(prompt_len, seed=1), max_tokens, temperature=temperature)
 
-    error = sched.add_request(req)
+    (error,) = sched.add_request(req)
 
-    assert error is not None and error.seq_id == 7 and error.reason == "error"
+    assert error.seq_id == 7 and error.reason == "error"
     for needle in needles:
         assert needle in error.error
     assert not sched.seqs and not sched.waiting and not sched.running
@@ -268,11 +268,11 @@ def test_add_request_rejects_requests_that_can_never_run_and_queues_nothing(
 
 def test_add_request_rejects_a_live_duplicate_id_and_out_of_vocabulary_tokens() -> None:
     sched = Scheduler(config(vocab_size=1000))
-    assert sched.add_request(make_request(1, [5, 6], 4)) is None
-    dup = sched.add_request(make_request(1, [7, 8], 4))
-    assert dup is not None and "duplicate sequence id 1" in dup.error
-    oov = sched.add_request(make_request(2, [5, 1000], 4))
-    assert oov is not None and "[0, 1000)" in oov.error
+    assert sched.add_request(make_request(1, [5, 6], 4)) == []
+    (dup,) = sched.add_request(make_request(1, [7, 8], 4))
+    assert "duplicate sequence id 1" in dup.error
+    (oov,) = sched.add_request(make_request(2, [5, 1000], 4))
+    assert "[0, 1000)" in oov.error
     assert list(sched.seqs) == [1] and [s.seq_id for s in sched.waiting] == [1]
     assert sched.seqs[1].token_ids == [5, 6]
 
@@ -453,6 +453,7 @@ class _StubStep:
         self.step_id = step_id
         self.timings: dict[str, float] = {}
         self.runner = runner
+        self.logprobs = self.prompt_logprobs = None
 
     def ready(self) -> bool:
         return self.runner.num_plans >= 2  # the device is still busy when the next plan arrives

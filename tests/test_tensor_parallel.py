@@ -175,3 +175,35 @@ def test_a_worker_started_by_hand_joins_over_tcp(tiny_qwen3: Path) -> None:
         engine.shutdown()
         for p in started:  # the scheduler's goodbye ends the worker started by hand
             assert p.wait(timeout=30) in (0, 1)
+
+
+def test_tp2_processes_filtered_penalized_and_logprob_rows_exactly_as_tp1(tiny_qwen3: Path, engine_factory) -> None:
+    """Rows with filters, penalties, logit bias or logprobs need the whole vocabulary: the ranks all-gather
+    those rows' slices (the vocabulary of 151669 splits unevenly: the last slice is padded) and each rank
+    samples them itself, so TP=2 draws what TP=1 draws, and reports the same logprobs; plain rows in the
+    same steps still exchange only candidates."""
+    params = [
+        SamplingParams(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.2, logprobs=3, seed=1, max_tokens=10,
+                       ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
+                       logit_bias={151000: 5.0, 7: -100.0}, seed=2, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, prompt_logprobs=2, logprobs=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=4, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, n=3, top_k=50, seed=5, max_tokens=8, ignore_eos=True),
+    ]
+    prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(params))]
+    results = []
+    for tp in (1, 2):
+        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    for one, two in zip(*results):
+        assert [s["token_ids"] for s in one["outputs"]] == [s["token_ids"] for s in two["outputs"]]
+        for a, b in zip(one["outputs"], two["outputs"]):
+            for x, y in zip(a["logprobs"] or [], b["logprobs"] or []):
+                assert x["rank"] == y["rank"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)
+                assert [t["token_id"] for t in x["top"]] == [t["token_id"] for t in y["top"]]
+    # Prompt tokens of a random model sit mid-distribution, among neighbours closer than the last bits the
+    # row-parallel sums change: their ranks may differ by a few.
+    for x, y in zip(results[0][2]["prompt_logprobs"][1:], results[1][2]["prompt_logprobs"][1:]):
+        assert abs(x["rank"] - y["rank"]) <= 3 and x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)

@@ -9,25 +9,41 @@ tables and sampling indices with numpy over the scheduled rows.
 Token ids known to a worker: the prompt plus every token it sampled. A token sampled in the
 previous step may still be on its way to the host (`num_tokens_cpu < num_tokens`); such a token
 is fed to the next step straight from the device (`StepInputs.gpu_token_index`).
+
+A forked sample (n > 1, `ForkedRequest`) takes a row of its own in the step that computes the end of
+its parent's prompt, with a copy of the parent's prompt tokens; it samples after the step's rows,
+from the parent's logits (`StepInputs.logits_indices` names the parent's last token for it).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.protocol import StepPlan
+from common.protocol import SamplingOptions, StepPlan
+from common.sampling_params import GREEDY_TEMPERATURE
+from workers.logits_processing import (
+    ProcessingInputs,
+    PromptLogprobsInputs,
+    build_processing,
+    has_sparse_parameters,
+    is_processed,
+    parameter_row,
+    uses_penalties,
+)
 
 
 class ReqState:
     """One request on a worker."""
 
     __slots__ = ("seq_id", "row", "tokens", "num_tokens", "num_tokens_cpu", "num_computed", "num_blocks",
-                 "temperature", "seed", "active")
+                 "temperature", "seed", "active", "num_prompt_tokens", "options", "processed", "penalized",
+                 "prompt_logprobs_next", "parameter_row", "sparse")
 
-    def __init__(self, seq_id: int, temperature: float, seed: int | None) -> None:
+    def __init__(self, seq_id: int, temperature: float, seed: int | None,
+                 options: SamplingOptions | None = None) -> None:
         self.seq_id = seq_id
         self.row: int | None = None
         self.tokens = np.zeros(0, dtype=np.int32)  # its row of InputBatch.token_ids, or a private copy while preempted
@@ -35,9 +51,18 @@ class ReqState:
         self.num_tokens_cpu = 0  # leading entries of `tokens` that hold real ids
         self.num_computed = 0  # tokens whose KV is written (or being written by a launched step)
         self.num_blocks = 0
-        self.temperature = temperature
+        self.temperature = 0.0 if temperature < GREEDY_TEMPERATURE else temperature
         self.seed = seed
         self.active = True  # False once finished: a late sampled token is dropped
+        self.num_prompt_tokens = 0
+        self.options = options
+        self.processed = is_processed(options)  # its logits go through workers/logits_processing.py
+        self.penalized = uses_penalties(options)  # it keeps token counts on the device
+        self.parameter_row = parameter_row(options) if options is not None else ()
+        self.sparse = options is not None and has_sparse_parameters(options)
+        # The next prompt token whose logprob is reported (prompt_logprobs); each is reported once, also
+        # when a preempted request computes its prompt again.
+        self.prompt_logprobs_next = 1
 
 
 @dataclass
@@ -61,16 +86,24 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     is_decode: bool
+    processing: ProcessingInputs | None = None  # the sampling rows that go through logits processing
+    prompt_logprobs: PromptLogprobsInputs | None = None
+    forks: list[tuple[ReqState, ReqState]] = field(default_factory=list)  # (fork, parent), sampling after the rows
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
+                 vocab_size: int = 0) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size  # of the model: top_k >= it is off
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.reqs: dict[int, ReqState] = {}
         self._free_rows = list(range(max_num_seqs))  # a heap: lowest row first
+        self.forks: list[tuple[ReqState, ReqState]] = []  # of the plan just applied: (fork, parent)
+        self.admitted_penalized: list[ReqState] = []  # of the plan just applied
+        self.num_processed = 0  # live requests whose logits are processed: none, and a step skips that path
 
     # ------------------------------------------------------------------ plan deltas
     def _take_row(self, st: ReqState) -> None:
@@ -90,15 +123,20 @@ class InputBatch:
         st.num_blocks = len(block_ids)
 
     def apply(self, plan: StepPlan) -> list[tuple[ReqState, int]]:
-        """Apply a plan's deltas; return the step's (request, scheduled tokens) rows in row order.
+        """Apply a plan's deltas; return the step's (request, scheduled tokens) rows in row order. The
+        plan's forked requests are left in `forks` for `prepare`, and the penalized requests that took a
+        row in `admitted_penalized` (their device token counts are rebuilt before `prepare`).
 
         Raises `KeyError` if the plan names a request this worker does not hold (a protocol bug).
         """
+        self.forks = []
+        self.admitted_penalized = []
         for seq_id in plan.finished_seq_ids.tolist():
             st = self.reqs.pop(seq_id, None)
             if st is not None:
                 st.active = False
                 self._release_row(st)
+                self.num_processed -= st.processed
         for seq_id in plan.preempted_seq_ids.tolist():
             st = self.reqs[seq_id]
             st.tokens = st.tokens[: st.num_tokens].copy()  # keep its tokens (a late one lands here too)
@@ -106,16 +144,19 @@ class InputBatch:
             st.num_computed = 0
         scheduled: list[tuple[ReqState, int]] = []
         for req in plan.new_requests:
-            st = ReqState(req.seq_id, req.temperature, req.seed)
+            st = ReqState(req.seq_id, req.temperature, req.seed, req.options)
             self._take_row(st)
             n = len(req.prompt_token_ids)
             st.tokens = self.token_ids[st.row]
             st.tokens[:n] = req.prompt_token_ids
-            st.num_tokens = st.num_tokens_cpu = n
+            st.num_tokens = st.num_tokens_cpu = st.num_prompt_tokens = n
             st.num_computed = req.num_computed_tokens
             self._set_blocks(st, req.block_ids)
             self.reqs[req.seq_id] = st
             scheduled.append((st, req.num_scheduled_tokens))
+            self.num_processed += st.processed
+            if st.penalized:
+                self.admitted_penalized.append(st)
         for req in plan.resumed_requests:
             st = self.reqs[req.seq_id]
             assert st.num_tokens == st.num_tokens_cpu, "resumed before its last token reached the host"
@@ -126,6 +167,8 @@ class InputBatch:
             st.num_computed = req.num_computed_tokens
             self._set_blocks(st, req.block_ids)
             scheduled.append((st, req.num_scheduled_tokens))
+            if st.penalized:
+                self.admitted_penalized.append(st)
         for nb in plan.new_blocks:
             st = self.reqs[nb.seq_id]
             k = len(nb.block_ids)
@@ -136,6 +179,18 @@ class InputBatch:
             scheduled.append((reqs[seq_id], n))
         for seq_id in plan.decode_seq_ids.tolist():
             scheduled.append((reqs[seq_id], 1))
+        for fork in plan.forked_requests:
+            parent = reqs[fork.parent_seq_id]
+            st = ReqState(fork.seq_id, parent.temperature, fork.seed, parent.options)
+            self._take_row(st)
+            n = st.num_prompt_tokens = st.prompt_logprobs_next = parent.num_prompt_tokens  # its prompt: reported
+            st.tokens = self.token_ids[st.row]
+            st.tokens[:n] = parent.tokens[:n]
+            st.num_tokens = st.num_tokens_cpu = n
+            self._set_blocks(st, fork.block_ids)
+            reqs[fork.seq_id] = st
+            self.num_processed += st.processed
+            self.forks.append((st, parent))
         return scheduled
 
     # ------------------------------------------------------------------ step inputs
@@ -160,10 +215,25 @@ class InputBatch:
         seq_lens = (start + num_new).astype(np.int32)
         samples = seq_lens == known
         sampling_states = [st for (st, _), s in zip(scheduled, samples.tolist()) if s]
+        logits_indices = (query_start_loc[1:][samples] - 1).astype(np.int64)
+        sampling_rows = rows[samples]
+        forks = self.forks
+        if forks:  # each fork samples from its parent's logits, after the step's own sampling rows
+            parent_index = {id(st): i for i, st in enumerate(sampling_states)}
+            assert all(id(parent) in parent_index for _, parent in forks), "a fork's parent must sample this step"
+            logits_indices = np.concatenate([logits_indices, [logits_indices[parent_index[id(p)]] for _, p in forks]
+                                             ]).astype(np.int64)
+            sampling_rows = np.concatenate([sampling_rows, [f.row for f, _ in forks]]).astype(np.int64)
+            sampling_states = sampling_states + [f for f, _ in forks]
         seeded = [(i, st.seed, st.num_tokens) for i, st in enumerate(sampling_states) if st.seed is not None]
         temperatures = np.fromiter((st.temperature for st in sampling_states), np.float32, len(sampling_states))
+        processing = build_processing(sampling_states, temperatures, self.vocab_size, sampling_rows) if (
+            self.num_processed) else None
+        prompt_logprobs = self._prompt_logprob_positions(scheduled, start, query_start_loc)
         for st, n in scheduled:
             st.num_computed += n
+        for fork, parent in forks:
+            fork.num_computed = parent.num_computed
         for st in sampling_states:
             st.num_tokens += 1
         return StepInputs(
@@ -176,15 +246,45 @@ class InputBatch:
             num_blocks_used=int(-(-int(seq_lens.max()) // bs)) if b else 0,
             gpu_token_index=np.flatnonzero(from_device),
             gpu_token_rows=token_rows[from_device],
-            logits_indices=(query_start_loc[1:][samples] - 1).astype(np.int64),
-            sampling_rows=rows[samples],
+            logits_indices=logits_indices,
+            sampling_rows=sampling_rows,
             sampling_states=sampling_states,
             temperatures=temperatures,
             seeded_rows=seeded,
             max_query_len=int(num_new.max()) if b else 0,
             max_seq_len=int(seq_lens.max()) if b else 0,
             is_decode=bool(b) and bool((num_new == 1).all()),
+            processing=processing,
+            prompt_logprobs=prompt_logprobs,
+            forks=forks,
         )
+
+    @staticmethod
+    def _prompt_logprob_positions(scheduled: list[tuple[ReqState, int]], start: np.ndarray,
+                                  query_start_loc: np.ndarray) -> PromptLogprobsInputs | None:
+        """The prompt tokens whose logprobs this step's forward computes and nobody reported yet: token t
+        comes from the logits at position t - 1, so a chunk of positions [s, s + n) reports prompt tokens
+        max(next, s + 1) .. min(s + n, prompt length - 1)."""
+        out: PromptLogprobsInputs | None = None
+        for b, (st, n) in enumerate(scheduled):
+            o = st.options
+            if o is None or o.prompt_logprobs < 0:
+                continue
+            s = int(start[b])
+            first = max(st.prompt_logprobs_next, s + 1)
+            last = min(s + n, st.num_prompt_tokens - 1)
+            if last < first:
+                continue
+            if out is None:
+                out = PromptLogprobsInputs([], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64))
+            targets = np.arange(first, last + 1)
+            out.seq_ids.append(st.seq_id)
+            out.counts.append(len(targets))
+            out.num_top.append(o.prompt_logprobs)
+            out.hidden_index = np.concatenate([out.hidden_index, int(query_start_loc[b]) + targets - 1 - s])
+            out.target_ids = np.concatenate([out.target_ids, st.tokens[targets].astype(np.int64)])
+            st.prompt_logprobs_next = last + 1
+        return out
 
     @staticmethod
     def append_sampled(states: list[ReqState], tokens: np.ndarray) -> None:

@@ -5,6 +5,12 @@ device (pinned host buffers, non-blocking copies), runs the model (a captured CU
 decode batches, eagerly otherwise), samples, and starts copying the sampled tokens back. It
 returns without waiting for the device; `finalize` waits for the copy. The worker launches step
 N+1 before it finalizes step N, so the device never waits for Python.
+
+Rows whose requests set filters, penalties, logit bias or logprobs go through
+workers/logits_processing.py between the LM head and the sampler; their logprobs, and the prompt
+logprobs of prefill chunks that asked, are copied back with the tokens (pinned memory, same event).
+Forked samples (n > 1) get their copy of the parent's last partial prompt block right after the
+forward that wrote it.
 """
 
 from __future__ import annotations
@@ -21,17 +27,25 @@ import torch
 from common.config import EngineConfig, load_hf_config
 from common.errors import ExplainedError
 from common.profiling import PhaseRecorder
-from common.protocol import StepPlan
+from common.protocol import Logprobs, StepPlan, f32, i32
 from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.input_batch import InputBatch, ReqState, StepInputs
 from workers.layers.fused import enable_compilation
 from workers.loader import load_weights
+from workers.logits_processing import (
+    PROMPT_LOGPROBS_CHUNK,
+    LogitsProcessor,
+    gather_vocabulary,
+    to_device,
+    token_logprobs,
+    worst_case_inputs,
+)
 from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
 from workers.parallel import init_tensor_parallel
-from workers.sampler import Sampler
+from workers.sampler import ProcessedRows, Sampler
 
 log = logging.getLogger("deltaserve.worker")
 GiB = 1 << 30
@@ -70,6 +84,36 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
 
 
 @dataclass
+class LogprobsOnHost:
+    """Logprobs of a step on their way to the host (pinned tensors), and how to read them."""
+
+    rows: np.ndarray  # [r] int32: sampling-row indices (sampled tokens) or seq ids (prompt tokens)
+    counts: np.ndarray  # [r] positions per row
+    num_top: np.ndarray  # [r] top entries asked by each row
+    token_logprobs: torch.Tensor  # [P] float32
+    ranks: torch.Tensor  # [P] int64
+    top_logprobs: torch.Tensor  # [P, N] float32, N >= every num_top
+    top_token_ids: torch.Tensor  # [P, N] int64
+
+    def to_wire(self) -> Logprobs:
+        """The `Logprobs` struct; top entries of logprob -inf (tokens a filter removed) are left out."""
+        top_lp = self.top_logprobs.numpy()
+        top_ids = self.top_token_ids.numpy()
+        want = np.repeat(self.num_top, self.counts)  # [P]
+        keep = (np.arange(top_lp.shape[1])[None, :] < want[:, None]) & np.isfinite(top_lp)
+        per_position = keep.sum(axis=1)
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        if len(per_position) and (per_position != np.repeat(per_position[starts], self.counts)).any():
+            # Rows whose positions keep different numbers of finite entries: one row per position.
+            rows, counts = np.repeat(self.rows, self.counts), np.ones(len(per_position), np.int32)
+            num_top = per_position
+        else:
+            rows, counts, num_top = self.rows, self.counts, per_position[starts] if len(starts) else per_position
+        return Logprobs(i32(rows), i32(counts), i32(num_top), f32(self.token_logprobs.numpy()),
+                        i32(self.ranks.numpy()), i32(top_ids[keep]), f32(top_lp[keep]))
+
+
+@dataclass
 class PendingStep:
     """A launched step whose sampled tokens are still on their way to the host."""
 
@@ -82,6 +126,10 @@ class PendingStep:
     started: torch.cuda.Event | None = None
     ended: torch.cuda.Event | None = None
     previous_ended: torch.cuda.Event | None = None
+    logprobs_host: LogprobsOnHost | None = None
+    prompt_logprobs_host: LogprobsOnHost | None = None
+    logprobs: Logprobs | None = None  # set by ModelRunner.finalize
+    prompt_logprobs: Logprobs | None = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -149,7 +197,9 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, head.vocab_size, head.vocab_start)
         self.block_size = config.block_size
         self.max_blocks_per_seq = config.max_blocks_per_seq
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size,
+                                head.vocab_size)
+        self.processor = LogitsProcessor(self.device, config.max_num_seqs, head.vocab_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.host = [HostBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
                      for _ in range(2)]
@@ -259,6 +309,16 @@ class ModelRunner:
         n = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:n])
         self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
+        # The costliest logits processing too (a whole-row sort, penalties, 20 logprobs), so that the
+        # memory it takes is measured and the penalty counts exist before the KV cache is sized; and once
+        # for a single row, which torch.compile specializes (no compile stalls a first step later).
+        for rows in sorted({n, 1}, reverse=True):
+            d = self.processor.upload(worst_case_inputs(rows))
+            x = self.processor.apply(gather_vocabulary(logits[:rows], self.processor.vocab_size,
+                                                       self.model.lm_head.rows_per_rank), d, self.last_sampled)
+            tokens = self.sampler(logits[:rows], torch.ones(rows, device=dev), False, processed=ProcessedRows(
+                d.i["rows"], d.host.rows, x, d.f["sample_temperatures"], True))
+            self.processor.logprobs(x, d, tokens)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, sliced per layer."""
@@ -337,6 +397,11 @@ class ModelRunner:
             self.phases.end()
             return None
         self.phases.begin("prepare inputs", plan.step_id)
+        # Before prepare() advances the requests' counters: a row holds exactly the tokens known so far.
+        penalties = self.processor.penalties
+        penalties.reset_rows(self.batch.admitted_penalized)
+        forks = self.batch.forks
+        penalties.copy_rows([p.row for f, p in forks if f.penalized], [f.row for f, _ in forks if f.penalized])
         inputs = self.batch.prepare(scheduled)
         t1 = time.perf_counter()
         host = self.host[self.step_parity]
@@ -357,8 +422,10 @@ class ModelRunner:
             hidden = out[: len(inputs.rows)]
         else:
             hidden = self.model(input_ids, positions, meta)
+        if inputs.forks:
+            self._copy_fork_blocks(inputs.forks)
         self.phases.begin("sample", plan.step_id)
-        tokens_host, event = self._sample(inputs, host, hidden, dev_idx)
+        tokens_host, event, logprobs_host, prompt_logprobs_host = self._sample(inputs, host, hidden, dev_idx)
         if started is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
@@ -368,7 +435,7 @@ class ModelRunner:
                    "tokens": len(inputs.positions), "rows": len(inputs.rows), "decode": inputs.is_decode,
                    "graph": graph_bs or 0}
         step = PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings, started, ended,
-                           self._last_step_end)
+                           self._last_step_end, logprobs_host, prompt_logprobs_host)
         self._last_step_end = ended
         return step
 
@@ -419,23 +486,85 @@ class ModelRunner:
             query_start_loc_cpu=inputs.query_start_loc, seq_lens_cpu=inputs.seq_lens)
         return input_ids, positions, meta, dev_idx
 
-    def _sample(self, inputs: StepInputs, host: HostBuffers, hidden: torch.Tensor,
-                dev_idx: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+    def _copy_fork_blocks(self, forks: list[tuple[ReqState, ReqState]]) -> None:
+        """Copy-on-write of n > 1: each fork's copy of its parent's last, partial prompt block gets that
+        block's KV (all layers), which the forward just wrote. Full prompt blocks are shared, not copied."""
+        bs = self.block_size
+        src, dst = [], []
+        table = self.batch.block_table
+        for fork, parent in forks:
+            n = parent.num_prompt_tokens
+            if n % bs:
+                src.append(int(table[parent.row, n // bs]))
+                dst.append(int(table[fork.row, n // bs]))
+        if src and self.kv_cache is not None:
+            s, d = to_device(np.array(src, np.int64), self.device), to_device(np.array(dst, np.int64), self.device)
+            self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying `t` to the host (pinned memory on CUDA: read it after the step's event)."""
+        if self.device.type != "cuda":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def _sample(self, inputs: StepInputs, host: HostBuffers, hidden: torch.Tensor, dev_idx: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor | None, torch.cuda.Event | None, LogprobsOnHost | None, LogprobsOnHost | None]:
+        """Sample the step's rows (processing those that need it); start copying tokens, logprobs and prompt
+        logprobs to the host. Returns them and the event that marks their arrival (None on CPU)."""
+        prompt_lp = self._prompt_logprobs(inputs, hidden) if inputs.prompt_logprobs is not None else None
         s = len(inputs.sampling_rows)
-        if s == 0:
-            return None, None
-        logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
-        all_greedy = not bool((inputs.temperatures > 0).any())
-        tokens = self.sampler(logits, dev_idx["temperatures"], all_greedy, inputs.seeded_rows)
-        self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
-        out = host.sampled[:s]
-        if self.device.type == "cuda":
-            out.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            return out, event
-        out.copy_(tokens)
-        return out, None
+        out = lp_host = None
+        if s:
+            logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
+            all_greedy = not bool((inputs.temperatures > 0).any())
+            processed = d = None
+            if inputs.processing is not None:
+                d = self.processor.upload(inputs.processing)
+                rows = logits if inputs.processing.all_rows else logits[d.i["rows"]]
+                x = gather_vocabulary(rows, self.processor.vocab_size, self.model.lm_head.rows_per_rank)
+                x = self.processor.apply(x, d, self.last_sampled)
+                processed = ProcessedRows(d.i["rows"], inputs.processing.rows, x, d.f["sample_temperatures"],
+                                          inputs.processing.all_rows)
+            tokens = self.sampler(logits, dev_idx["temperatures"], all_greedy, inputs.seeded_rows, processed)
+            if d is not None:
+                assert processed is not None
+                self.processor.record_sampled(d, tokens)
+                # Only rank 0 reports to the scheduler; the others keep the counts but skip the logprobs.
+                lp = self.processor.logprobs(processed.logits, d, tokens) if self.rank == 0 else None
+                if lp is not None:
+                    h = d.host
+                    lp_host = LogprobsOnHost(h.rows[h.logprob_rows].astype(np.int32),
+                                             np.ones(len(h.logprob_rows), np.int32), h.logprob_counts,
+                                             *(self._to_host(t) for t in lp))
+            self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
+            out = host.sampled[:s]
+            out.copy_(tokens, non_blocking=self.device.type == "cuda")
+        if self.device.type != "cuda" or (out is None and prompt_lp is None):
+            return out, None, lp_host, prompt_lp
+        event = torch.cuda.Event()
+        event.record()
+        return out, event, lp_host, prompt_lp
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> LogprobsOnHost:
+        """Raw logprobs (no sampling parameter applied) of the prompt tokens this step's forward predicts,
+        with their top-N; the LM head runs on `PROMPT_LOGPROBS_CHUNK` positions at a time."""
+        pl = inputs.prompt_logprobs
+        assert pl is not None
+        dev = self.device
+        index = to_device(pl.hidden_index, dev)
+        targets = to_device(pl.target_ids, dev)
+        num_top = max(pl.num_top)
+        parts = []
+        for a in range(0, len(pl.hidden_index), PROMPT_LOGPROBS_CHUNK):
+            rows = self.model.compute_logits(hidden[index[a: a + PROMPT_LOGPROBS_CHUNK]])
+            whole = gather_vocabulary(rows, self.processor.vocab_size, self.model.lm_head.rows_per_rank)
+            parts.append(token_logprobs(whole, targets[a: a + PROMPT_LOGPROBS_CHUNK], num_top))
+        lp, rank, top_lp, top_ids = (torch.cat(t) for t in zip(*parts))
+        return LogprobsOnHost(np.asarray(pl.seq_ids, np.int32), np.asarray(pl.counts, np.int32),
+                              np.asarray(pl.num_top, np.int64), self._to_host(lp), self._to_host(rank),
+                              self._to_host(top_lp), self._to_host(top_ids))
 
     def finalize(self, step: PendingStep) -> np.ndarray:
         """Wait for a step's sampled tokens; record them in the batch; return them (int32, row order)."""
@@ -447,6 +576,10 @@ class ModelRunner:
             if step.previous_ended is not None:
                 # Device idle between the previous step's last operation and this step's first.
                 step.timings["idle_ms"] = max(0.0, step.previous_ended.elapsed_time(step.started))
+        if step.logprobs_host is not None:
+            step.logprobs = step.logprobs_host.to_wire()
+        if step.prompt_logprobs_host is not None:
+            step.prompt_logprobs = step.prompt_logprobs_host.to_wire()
         if step.tokens_host is None:
             return np.zeros(0, dtype=np.int32)
         tokens = step.tokens_host.numpy().astype(np.int32)

@@ -127,7 +127,8 @@ class WorkerProcess:
         step.timings["t_done"] = t1  # time.perf_counter() is one clock for every process of the host
         self.profiling.phases.begin("send result", step.step_id)
         if self.rank == 0:
-            ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings))
+            ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
+                                              step.prompt_logprobs))
         self.profiling.phases.end()
         self.profiling.step_done(step.step_id, step.timings)
         self.step_log.write({"step": step.step_id, **step.timings})

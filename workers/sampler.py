@@ -23,9 +23,16 @@ On CUDA the whole batch is sampled by one fused Triton kernel (`kernels/sampling
 Philox noise: the logits are read once); on CPU by the torch code below (float64 scores, noise
 from torch generators). The two draw different noise, so seeded samples are reproducible per
 device type.
+
+Rows whose requests use filters, penalties, logit bias or logprobs (`ProcessedRows`) come with their
+logits already processed over the whole vocabulary (workers/logits_processing.py, temperature
+applied); they are drawn from those by the same kernel with the same row seed, at temperature 1
+(0 for greedy rows), on every rank alike. Rows that use only temperature never wait for them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +45,17 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position
 def seeded_generator_seed(seed: int, position: int) -> int:
     """The generator seed used for a seeded request's token at `position` (0..2**63-1)."""
     return ((seed * _SEED_MIX) ^ position) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class ProcessedRows:
+    """Rows of a step that are drawn from processed logits instead of the LM head's."""
+
+    rows: torch.Tensor  # [R] int64 on the device: indices into the step's rows
+    rows_host: np.ndarray  # [R] int64, the same on the host
+    logits: torch.Tensor  # [R, vocab] float32: the whole vocabulary, processed, temperature applied
+    temperatures: torch.Tensor  # [R] float32 on the device: 0 = argmax, 1 = sample softmax(logits)
+    all_rows: bool  # every row of the step is one of them
 
 
 class Sampler:
@@ -63,23 +81,40 @@ class Sampler:
         temperatures: torch.Tensor,
         all_greedy: bool,
         seeded_rows: list[tuple[int, int, int]] | None = None,
+        processed: ProcessedRows | None = None,
     ) -> torch.Tensor:
         """Sample one token per row.
 
         logits `[n, slice]` (any float dtype, computed in float32 or float64): this rank's columns
         of the vocabulary; temperatures `[n]` float32 on the same device (0 = greedy);
         `all_greedy` skips the random path when every row is greedy; `seeded_rows` lists
-        (row, seed, position) for requests with a seed. Returns token ids `[n]` int64 (global ids;
-        the same on every rank). A row with no finite logit gets token 0.
+        (row, seed, position) for requests with a seed; `processed`: rows drawn from their processed
+        logits instead (their entries of `logits` are not used). Returns token ids `[n]` int64 (global
+        ids; the same on every rank). A row with no finite logit gets token 0.
         """
+        seeds = None
+        if not all_greedy:
+            seeds = self._seeds.integers(0, 2**62, size=logits.shape[0], dtype=np.int64)
+            for row, seed, position in seeded_rows or ():
+                seeds[row] = seeded_generator_seed(seed, position)
+        tokens = None
+        if processed is None or not processed.all_rows:
+            tokens = self._sample_slice(logits, temperatures, all_greedy, seeds)
+        if processed is None:
+            return tokens
+        row_seeds = seeds[processed.rows_host] if seeds is not None else np.zeros(len(processed.rows_host), np.int64)
+        drawn = self._sample_whole(processed.logits, processed.temperatures, row_seeds)
+        return drawn if tokens is None else tokens.index_copy(0, processed.rows, drawn)
+
+    def _sample_slice(self, logits: torch.Tensor, temperatures: torch.Tensor, all_greedy: bool,
+                      seeds: np.ndarray | None) -> torch.Tensor:
+        """Every row from this rank's slice; under TP the ranks then keep the best candidate."""
         if all_greedy:
             if tp_size() == 1:
                 return logits.argmax(dim=-1)
             scores, tokens = logits.max(dim=-1)
             return best_across_ranks(scores, tokens + self.vocab_start)
-        seeds = self._seeds.integers(0, 2**62, size=logits.shape[0], dtype=np.int64)
-        for row, seed, position in seeded_rows or ():
-            seeds[row] = seeded_generator_seed(seed, position)
+        assert seeds is not None
         if self._fused:
             from kernels.sampling import sample_candidates
 
@@ -89,11 +124,22 @@ class Sampler:
             scores, tokens = self._cpu_candidates(logits, temperatures, seeds)
         return tokens if tp_size() == 1 else best_across_ranks(scores, tokens)
 
-    def _cpu_candidates(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                        seeds: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_whole(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: np.ndarray) -> torch.Tensor:
+        """Rows that hold the whole vocabulary (on every rank): the token, with no exchange between ranks."""
+        if self._fused:
+            from kernels.sampling import sample_candidates
+
+            seeds_dev = torch.from_numpy(seeds).to(self.device, non_blocking=True)
+            return sample_candidates(logits, temperatures, seeds_dev)[1]
+        return self._cpu_candidates(logits, temperatures, seeds, vocab_start=0, vocab_size=logits.shape[1])[1]
+
+    def _cpu_candidates(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: np.ndarray,
+                        vocab_start: int | None = None, vocab_size: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         n, width = logits.shape
-        vocab = self.vocab_size or width
-        cols = slice(self.vocab_start, self.vocab_start + width)
+        start = self.vocab_start if vocab_start is None else vocab_start
+        vocab = (vocab_size or self.vocab_size) or width
+        cols = slice(start, start + width)
         noise = torch.empty(n, width, dtype=torch.float64)
         draw = torch.empty(vocab, dtype=torch.float64)
         for row in range(n):  # one generator a row: its noise depends only on its seed and the global index
@@ -107,7 +153,7 @@ class Sampler:
         gumbel = -noise.clamp_min_(1e-300).log_()
         scores = logits.double() / safe_t + torch.where(greedy.unsqueeze(1), 0.0, gumbel)
         best, index = scores.nan_to_num_(nan=-float("inf")).max(dim=-1)  # NaN never wins; ties: first index
-        return best, index + self.vocab_start
+        return best, index + start
 
 
 def best_across_ranks(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -133,3 +133,33 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         sample_tokens(torch.zeros(2, 5, device=DEVICE), torch.zeros(2, device=DEVICE),
                       torch.zeros(2, dtype=torch.int64, device=DEVICE), chunk_size=24)
+
+
+def test_rows_processed_by_the_filters_sample_only_their_kept_tokens_in_proportion() -> None:
+    """The fused kernel on logits that workers/logits_processing.py filtered (temperature applied, dropped
+    tokens at -inf), at temperature 1: what the engine does with processed rows."""
+    import numpy as np
+
+    from common.protocol import SamplingOptions
+    from workers.input_batch import ReqState
+    from workers.logits_processing import LogitsProcessor, build_processing
+
+    torch.manual_seed(7)
+    vocab, n = (50, 4000) if DEVICE == "cuda" else (12, 600)
+    row = torch.randn(vocab) * 1.5
+    states = []
+    for i in range(n):
+        st = ReqState(i, 0.8, None, SamplingOptions(top_k=5, top_p=0.95))
+        st.row, st.tokens, st.num_tokens, st.num_tokens_cpu, st.num_prompt_tokens = i, np.zeros(4, np.int32), 1, 1, 1
+        states.append(st)
+    proc = LogitsProcessor(torch.device(DEVICE), n, vocab)
+    d = proc.upload(build_processing(states, np.full(n, 0.8, np.float32), vocab))
+    x = proc.apply(row.repeat(n, 1).to(DEVICE), d, torch.zeros(n, dtype=torch.int64, device=DEVICE))
+    seeds = (torch.arange(n, dtype=torch.int64) * 7919 + 3).to(DEVICE)
+    out = sample_tokens(x, torch.ones(n, device=DEVICE), seeds).cpu()
+    kept = torch.isfinite(x[0]).cpu()
+    assert 2 <= int(kept.sum()) <= 5 and kept[out].all(), "drew a token the filters removed"
+    expected = torch.softmax(x[0].cpu().double(), -1)[kept] * n
+    counts = torch.bincount(out, minlength=vocab).double()[kept]
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1], chi2  # p = 0.001

@@ -1,0 +1,181 @@
+"""What the frontend keeps of a request's output, and turns into `RequestOutput`s for its client.
+
+Per sample (`SampleState`): the token ids, the text, logprobs (with each token's text) and the finish.
+
+Stop strings are matched on the detokenized output text, across token boundaries (never on the
+prompt): after each token, each stop string is searched where it could end inside the new text; of
+the matches, the one that is complete first wins (the earliest end, then the earliest start, as if the
+text had arrived one character at a time). The text is cut before it (after it with
+`include_stop_str_in_output`), the token ids end with the token that completed it, and the frontend
+aborts the sample in the scheduler. While a sample runs, its last `max(len(stop)) - 1` characters are
+held back from streaming, since they may begin a stop string; so no text from a stop string on is
+ever streamed, and the streamed deltas add up to the final text. As in vLLM, stop strings are only
+looked for once more than `min_tokens` tokens were generated.
+
+A stop token (an end token, or one of `stop_token_ids`) stays in the token ids, but its text is left
+out unless `include_stop_str_in_output` (vLLM's behaviour); its id is the sample's `stop_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from common.protocol import Logprobs, PositionLogprobs, SampleOutput, TopLogprob
+from common.sampling_params import SamplingParams
+from frontend.detokenizer import IncrementalDetokenizer
+
+
+class TokenTexts:
+    """`tokenizer.decode([token_id])` of each token id, cached: the `decoded_token` of logprobs entries."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string that is complete first in `text` among those ending after index `new_from` (the
+    text before it was searched already): (its start, the string), or None."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        start = text.find(stop, max(0, new_from - len(stop) + 1))
+        if start >= 0:
+            key = (start + len(stop), start, stop)
+            if best is None or key[:2] < best[:2]:
+                best = key
+    return None if best is None else (best[1], best[2])
+
+
+def iter_positions(lp: Logprobs) -> Iterator[tuple[int, float, int, list[int], list[float]]]:
+    """Each position of `lp` in order: (row, logprob, rank, top token ids, top logprobs)."""
+    rows, counts, num_top = lp.rows.tolist(), lp.counts.tolist(), lp.num_top.tolist()
+    token_lps, ranks = lp.token_logprobs.tolist(), lp.ranks.tolist()
+    top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+    p = t = 0
+    for row, count, k in zip(rows, counts, num_top):
+        for _ in range(count):
+            yield row, token_lps[p], ranks[p], top_ids[t: t + k], top_lps[t: t + k]
+            p += 1
+            t += k
+
+
+def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float],
+                      texts: TokenTexts) -> PositionLogprobs:
+    return PositionLogprobs(token_id, logprob, rank, texts(token_id),
+                            [TopLogprob(i, v, texts(i)) for i, v in zip(top_ids, top_lps)])
+
+
+class SampleState:
+    """One sample of a request in the frontend."""
+
+    def __init__(self, index: int, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.stops = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.holdback = max(map(len, self.stops)) - 1 if self.stops and not self.include_stop else 0
+        self.text = ""  # the output text so far, cut at a stop string
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.sent_chars = self.sent_tokens = self.sent_logprobs = 0  # already streamed to the client
+        self.finish_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token_id: int, logprobs: PositionLogprobs | None, stop_token: bool) -> bool:
+        """Add one sampled token (`stop_token`: the scheduler ends the sample with it). Returns True when
+        it completes a stop string: the sample is then finished with reason "stop"."""
+        self.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
+        piece = self.detokenizer.step(token_id, emit=not stop_token or self.include_stop)
+        if stop_token:
+            self.stop_reason = token_id
+        if not piece:
+            return False
+        new_from = len(self.text)
+        self.text += piece
+        if not self.stops or len(self.token_ids) <= self.min_tokens:
+            return False
+        hit = find_stop(self.text, new_from, self.stops)
+        if hit is None:
+            return False
+        start, stop = hit
+        self.text = self.text[: start + len(stop) if self.include_stop else start]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def finish(self, reason: str) -> None:
+        """End the sample (once; a sample a stop string ended keeps that). An unfinished character at the
+        end of its text becomes U+FFFD, as `decode()` shows it."""
+        if self.finished:
+            return
+        self.text += self.detokenizer.flush()
+        self.finish_reason = reason
+        if reason != "stop":
+            self.stop_reason = None
+
+    def visible_text(self) -> str:
+        """The text a client may see now: all of it once finished, else all but the held-back tail."""
+        if self.finished or not self.holdback:
+            return self.text
+        return self.text[: max(self.sent_chars, len(self.text) - self.holdback)]
+
+    def has_news(self) -> bool:
+        """Whether a streamed output would tell the client something new about this sample."""
+        return (len(self.token_ids) > self.sent_tokens or len(self.visible_text()) > self.sent_chars
+                or (self.finished and not self.finish_sent))
+
+    def take(self, stream: bool) -> SampleOutput:
+        """The sample as the next output shows it: its news since the last one when streaming, else all."""
+        text = self.visible_text()
+        lps = self.logprobs
+        if stream:
+            out = SampleOutput(self.index, text[self.sent_chars:], self.token_ids[self.sent_tokens:],
+                               self.finish_reason, self.stop_reason,
+                               None if lps is None else lps[self.sent_logprobs:], self.cumulative_logprob)
+        else:
+            out = SampleOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                               None if lps is None else list(lps), self.cumulative_logprob)
+        self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
+        self.sent_logprobs = len(lps) if lps is not None else 0
+        self.finish_sent = self.finished
+        return out
+
+
+def prompt_logprobs_of(lp: Logprobs, prompt_by_seq: dict[int, tuple[list[int], list[PositionLogprobs | None]]],
+                       texts: TokenTexts) -> None:
+    """Append the prompt logprobs in `lp` (rows are seq ids) to each request's list: position i of the
+    prompt is the next one after those received (position 0 is None)."""
+    for seq_id, logprob, rank, top_ids, top_lps in iter_positions(lp):
+        entry = prompt_by_seq.get(seq_id)
+        if entry is None:
+            continue
+        prompt, received = entry
+        position = len(received)
+        if position < len(prompt):
+            received.append(position_logprobs(prompt[position], logprob, rank, top_ids, top_lps, texts))
+
+
+def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTexts) -> dict[int, PositionLogprobs]:
+    """Index in a `StepOutputs` -> the logprobs of the token sampled there (for the rows that asked)."""
+    if lp is None:
+        return {}
+    return {row: position_logprobs(int(token_ids[row]), logprob, rank, top_ids, top_lps, texts)
+            for row, logprob, rank, top_ids, top_lps in iter_positions(lp)}

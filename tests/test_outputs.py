@@ -1,0 +1,165 @@
+"""The frontend's per-sample output (frontend/outputs.py) with the real Qwen3 tokenizer: stop strings over
+token boundaries and multi-byte characters, never streamed, never matched in the prompt; stop-token text
+left out; streamed deltas adding up to the final text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from frontend.outputs import SampleState, find_stop
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+def run_sample(tokenizer: Any, output_ids: list[int], params: SamplingParams, prompt: str = "Say something:",
+               stop_token: int | None = None) -> tuple[SampleState, list[str], int]:
+    """Feed `output_ids` one at a time as the frontend does, streaming after each; stop at a stop string.
+    `stop_token`: the scheduler ends the sample with this (last) token. Returns the sample, the streamed
+    text deltas and how many tokens were fed."""
+    sample = SampleState(0, tokenizer, tokenizer(prompt)["input_ids"], params)
+    deltas = []
+    fed = 0
+    for token in output_ids:
+        fed += 1
+        fired = sample.add(token, None, stop_token=token == stop_token)
+        if fired:
+            break
+        if token == stop_token:
+            sample.finish("stop")
+            break
+        if sample.has_news():
+            deltas.append(sample.take(stream=True).text)
+    else:
+        sample.finish("length")
+    deltas.append(sample.take(stream=True).text)
+    return sample, deltas, fed
+
+
+def ids_of(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completing_token(tokenizer: Any, ids: list[int], text: str, stop: str) -> int:
+    """Index of the token whose text completes the first occurrence of `stop` in `text`."""
+    end = text.index(stop) + len(stop)
+    for i in range(len(ids)):
+        if len(tokenizer.decode(ids[: i + 1])) >= end:
+            return i
+    raise AssertionError("stop string not in text")
+
+
+def tokens_spanned(tokenizer: Any, ids: list[int], text: str, stop: str) -> int:
+    """How many tokens hold a part of the first occurrence of `stop` (a byte of one of its characters)."""
+    start = text.index(stop)
+    first = next(i for i in range(len(ids)) if len(tokenizer.decode(ids[: i + 1]).rstrip("\ufffd")) > start)
+    return completing_token(tokenizer, ids, text, stop) - first + 1
+
+
+CASES = [
+    # (output text, stop string): split over two or three tokens, multi-byte characters around them
+    ("The quick brown fox jumps over the lazy dog.", "fox jumps"),
+    ("The quick brown fox jumps over the lazy dog.", "own fox ju"),
+    ("价格是100元👍🏽，好的谢谢。", "元👍"),
+    ("价格是100元👍🏽，好的谢谢。", "🏽，好"),
+    ("naïve café résumé déjà vu", "é ré"),
+]
+
+
+@pytest.mark.parametrize(("text", "stop"), CASES)
+def test_a_stop_string_over_token_boundaries_cuts_the_text_and_ends_the_ids(tokenizer: Any, text: str,
+                                                                            stop: str) -> None:
+    ids = ids_of(tokenizer, text)
+    last = completing_token(tokenizer, ids, text, stop)
+    assert tokens_spanned(tokenizer, ids, text, stop) >= 2
+    sample, deltas, fed = run_sample(tokenizer, ids, SamplingParams(stop=[stop]))
+    assert sample.finish_reason == "stop" and sample.stop_reason == stop
+    assert sample.text == text[: text.index(stop)]
+    assert sample.token_ids == ids[: last + 1] and fed == last + 1
+    assert "".join(deltas) == sample.text  # what was streamed is exactly the final text
+
+
+def test_the_cases_split_stop_strings_over_two_and_three_tokens(tokenizer: Any) -> None:
+    spans = {tokens_spanned(tokenizer, ids_of(tokenizer, text), text, stop) for text, stop in CASES}
+    assert {2, 3} <= spans, spans
+
+
+@pytest.mark.parametrize(("text", "stop"), CASES)
+def test_include_stop_str_in_output_keeps_the_stop_string_and_nothing_after_it(tokenizer: Any, text: str,
+                                                                              stop: str) -> None:
+    ids = ids_of(tokenizer, text)
+    sample, deltas, _ = run_sample(tokenizer, ids, SamplingParams(stop=stop, include_stop_str_in_output=True))
+    assert sample.text == text[: text.index(stop) + len(stop)]
+    assert "".join(deltas) == sample.text
+
+
+def test_text_from_a_stop_string_on_is_never_streamed(tokenizer: Any) -> None:
+    text = "one two three four five six seven"
+    ids = ids_of(tokenizer, text)
+    sample, deltas, _ = run_sample(tokenizer, ids, SamplingParams(stop=["four five six"]))
+    streamed_before_finish = "".join(deltas[:-1])
+    assert "four" not in streamed_before_finish
+    assert sample.text == "one two three "
+
+
+def test_a_stop_string_in_the_prompt_or_across_prompt_and_output_does_not_fire(tokenizer: Any) -> None:
+    params = SamplingParams(stop=["STOP", "brown fox"])
+    sample, _, _ = run_sample(tokenizer, ids_of(tokenizer, " fox and a STO"), params, prompt="STOP the quick brown")
+    assert sample.finish_reason == "length" and sample.text == " fox and a STO"
+
+
+def test_of_overlapping_stop_strings_the_one_complete_first_wins(tokenizer: Any) -> None:
+    text = "xx abcdef yy"
+    ids = ids_of(tokenizer, text)
+    for stops, cut, reason in [(["abcdef", "bcd", "abx"], "xx a", "bcd"), (["abcd", "abc"], "xx ", "abc"),
+                               (["cde", "bcdef"], "xx ab", "cde")]:
+        sample, deltas, _ = run_sample(tokenizer, ids, SamplingParams(stop=stops))
+        assert (sample.text, sample.stop_reason) == (cut, reason), stops
+        assert "".join(deltas) == cut
+
+
+def test_find_stop_prefers_the_earliest_end_then_the_earliest_start() -> None:
+    assert find_stop("xxabcd", 2, ["abcd", "bc"]) == (3, "bc")
+    assert find_stop("xxabcd", 2, ["bcd", "abcd"]) == (2, "abcd")
+    assert find_stop("xxabcd", 6, ["abcd"]) is None  # nothing new to search
+    assert find_stop("xxabcd", 5, ["abcd"]) == (2, "abcd")  # ends in the new text
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: Any) -> None:
+    ids = ids_of(tokenizer, "a b a b a b a b")
+    sample, _, fed = run_sample(tokenizer, ids, SamplingParams(stop=["b"], min_tokens=3, max_tokens=16))
+    assert fed == 4 and sample.text == "a b a " and sample.stop_reason == "b"
+
+
+def test_a_stop_token_stays_in_the_ids_but_its_text_is_left_out(tokenizer: Any) -> None:
+    """Issue 13: with skip_special_tokens=False the text used to end with <|endoftext|>."""
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = ids_of(tokenizer, "Hello there") + [eos]
+    params = SamplingParams(skip_special_tokens=False)
+    sample, deltas, _ = run_sample(tokenizer, ids, params, stop_token=eos)
+    assert sample.text == "Hello there" and sample.token_ids == ids and sample.stop_reason == eos
+    assert "".join(deltas) == "Hello there"
+    kept, _, _ = run_sample(tokenizer, ids, SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True),
+                            stop_token=eos)
+    assert kept.text == "Hello there<|endoftext|>"
+    plain = ids_of(tokenizer, "Hi") + [ids_of(tokenizer, "!")[0]]
+    user_stop, _, _ = run_sample(tokenizer, plain, SamplingParams(stop_token_ids=[plain[-1]]), stop_token=plain[-1])
+    assert user_stop.text == "Hi" and user_stop.stop_reason == plain[-1]
+
+
+def test_streamed_deltas_add_up_to_the_final_text_with_stop_strings_held_back(tokenizer: Any) -> None:
+    text = "价格 是 100元 👍🏽 and more text here, and so on. END of it"
+    ids = ids_of(tokenizer, text)
+    for stops in (["END"], ["元 👍🏽 a", "zzz"], ["nothing matches this one"]):
+        sample, deltas, _ = run_sample(tokenizer, ids, SamplingParams(stop=stops))
+        assert "".join(deltas) == sample.text
+        expected = min((text.index(s) for s in stops if s in text), default=len(text))
+        assert sample.text == text[:expected]
