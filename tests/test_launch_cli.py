@@ -97,7 +97,7 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused_before_the_engine_starts(
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number in [0, 3.4e38]"),
     (["--max-tokens", "0"], "--max-tokens must be an integer in [1, 2**63), got 0"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
     (["--tp", "0"], "--tp must be a positive integer, got 0"),
