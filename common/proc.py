@@ -136,12 +136,17 @@ def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
 
 
 def engine_process_main(kind: str, module: str, description: str, factory: Callable[..., Any],
-                        argv: list[str] | None = None, with_rank: bool = False) -> None:
-    """The `main` of an engine process (`python -m <module>`: frontend, scheduler_proc or workers).
+                        argv: list[str] | None = None, with_rank: bool = False,
+                        add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                        name_of: Callable[[argparse.Namespace], str] | None = None) -> None:
+    """The `main` of an engine process (`python -m <module>`: frontend, scheduler_proc, workers or
+    frontend.openai).
 
-    Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid` and, for
-    workers, `--rank`; builds the process with `factory(config, endpoints, args)`, then runs its
-    `start()`, `serve()` and `close()` under the optional profiler, reporting a failure to the launcher.
+    Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid`, for workers
+    `--rank`, and whatever `add_arguments(parser)` adds; the process is named `name_of(args)` (default:
+    `kind`, or `kind-tpN` for a worker). Builds the process with `factory(config, endpoints, args)`, then
+    runs its `start()`, `serve()` and `close()` under the optional profiler, reporting a failure to the
+    launcher.
     """
     from common.config import EngineConfig
 
@@ -151,10 +156,12 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
     if with_rank:
         parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the launcher) ends")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
     endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints))
-    name = f"{kind}-tp{args.rank}" if with_rank else kind
+    name = name_of(args) if name_of is not None else f"{kind}-tp{args.rank}" if with_rank else kind
     setup_process(name, config.log_level, args.parent_pid)
 
     def body() -> None:

@@ -27,6 +27,7 @@ import zmq
 
 from common import ipc
 from common.protocol import (
+    ERROR_INVALID_REQUEST,
     Abort,
     EngineInfo,
     ErrorReply,
@@ -148,7 +149,8 @@ class EngineClient:
                     sendable.append(req)
                 else:
                     self._pending.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                                       error=f"this request cannot be sent: {why}"))
+                                                       error=f"this request cannot be sent: {why}",
+                                                       error_type=ERROR_INVALID_REQUEST))
             if not sendable:
                 return
             data = encode(Submit(sendable))

@@ -1,6 +1,7 @@
 """Start the engine's processes, wait until they are ready, watch them, stop them.
 
-One engine = one frontend, one scheduler and one worker per tensor-parallel rank, each a
+One engine = one frontend, one scheduler and one worker per tensor-parallel rank, plus, when it
+serves HTTP, one or more OpenAI-compatible HTTP server processes (`frontend/openai/`), each a
 separate `python -m <package>` process (so each can also be started by hand, e.g. a worker on
 another host, or under a profiler). Every process reports ready or failed on the launcher's
 control socket. If any process dies, `check()` raises `EngineDeadError` naming it, after
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -33,6 +35,18 @@ log = logging.getLogger("deltaserve.launcher")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@dataclass(frozen=True)
+class HTTPOptions:
+    """The OpenAI-compatible HTTP server: `count` processes serving `host`:`port` through `listener` (a
+    socket already listening there, `ipc.hold_port`), requiring `api_key` on /v1 routes when set."""
+
+    host: str
+    port: int
+    listener: socket.socket
+    api_key: str | None = None
+    count: int = 1
+
+
 class EngineStartError(RuntimeError):
     """A process failed while the engine was starting; the message says which and why."""
 
@@ -44,13 +58,16 @@ class EngineDeadError(RuntimeError):
 class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
                  host: str = "127.0.0.1", local_ranks: list[int] | None = None,
-                 on_external_worker: Any = None, client_listener: socket.socket | None = None) -> None:
+                 on_external_worker: Any = None, client_listener: socket.socket | None = None,
+                 http: HTTPOptions | None = None) -> None:
         """`config` is resolved here (raises `ConfigError` for an unusable model or setting, and
         `ValueError` naming a bad DELTASERVE_* environment variable, before any process starts).
 
         `client_listener`: a socket already listening on `client_address` (`ipc.hold_port`); the frontend
         inherits it and serves on it, so the port stays this engine's while the model loads. Owned (and
         closed) from here on.
+
+        `http`: also serve the OpenAI API over HTTP (its listening socket is owned from here on too).
 
         `local_ranks`: the worker ranks started here (default: all). Every other rank is an external
         worker, started by hand (e.g. on a second host) with the command `worker_command(rank)`;
@@ -68,6 +85,9 @@ class EngineProcesses:
         self.on_external_worker = on_external_worker
         self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
         self.client_listener = client_listener
+        self.http = http
+        if http is not None and not 1 <= http.count <= 64:
+            raise ValueError(f"api_server_count must be in 1..64, got {http.count}")
         if client_address:
             fd = client_listener.fileno() if client_listener is not None else -1
             self.endpoints = self.endpoints.with_client(client_address, fd)
@@ -89,9 +109,11 @@ class EngineProcesses:
         """What to run (from a checkout of this repository) to start worker `rank` by hand."""
         return self.command("workers", "--rank", str(rank))
 
-    def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
+    def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = (),
+               env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(env_extra or {})  # e.g. the API key: not on a command line, which `ps` shows to everyone
         cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)
         self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, pass_fds=pass_fds)
 
@@ -112,6 +134,14 @@ class EngineProcesses:
             listener_fds = (self.endpoints.client_fd,) if self.client_listener is not None else ()
             self._spawn("frontend", "frontend", pass_fds=listener_fds)
             self._release_client_listener()  # the frontend holds the port now: its exit must free it
+            if self.http is not None:
+                fd = self.http.listener.fileno()
+                key = {"DELTASERVE_API_KEY": self.http.api_key} if self.http.api_key else {}
+                for i in range(self.http.count):
+                    self._spawn(f"http-{i}", "frontend.openai", "--index", str(i), "--http-host", self.http.host,
+                                "--http-port", str(self.http.port), "--http-fd", str(fd), pass_fds=(fd,),
+                                env_extra=key)
+                self._release_http_listener()
             waiting = set(self.procs) | {f"worker-tp{r}" for r in range(tp)}
             deadline = time.monotonic() + timeout_s
             while waiting:
@@ -148,6 +178,10 @@ class EngineProcesses:
         if self.client_listener is not None:
             self.client_listener.close()
             self.client_listener = None
+
+    def _release_http_listener(self) -> None:
+        if self.http is not None and self.http.listener.fileno() >= 0:
+            self.http.listener.close()
 
     # ------------------------------------------------------------------ watch
     def _raise_if_dead(self, error: type[RuntimeError]) -> None:
@@ -195,6 +229,7 @@ class EngineProcesses:
             return
         self.closed = True
         self._release_client_listener()
+        self._release_http_listener()
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
         try:

@@ -30,15 +30,20 @@ from common.errors import ExplainedError
 from common.limits import prompt_limit_error
 from common.proc import engine_process_main, signal_name, stop_signals_deferred
 from common.protocol import (
+    ERROR_ENGINE_DOWN,
+    ERROR_INVALID_REQUEST,
     Abort,
     AbortSeqs,
     AddRequests,
+    Detokenize,
+    DetokenizeResult,
     EngineInfo,
     EngineReady,
     EngineRequest,
     ErrorReply,
     GenerateRequest,
     GetEngineInfo,
+    GetEngineStats,
     Ping,
     Pong,
     ProcessReady,
@@ -47,12 +52,15 @@ from common.protocol import (
     RequestOutputs,
     StepOutputs,
     Submit,
+    Tokenize,
+    TokenizeResult,
     decode,
     encode,
     i32,
 )
 from common.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer
+from frontend.stats import EngineStatsCollector
 
 log = logging.getLogger("deltaserve.frontend")
 # While validating a long submission, clients hear a Pong this often (seconds), so that their silence
@@ -83,7 +91,9 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
-    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages`, or given ids.
+    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (ending with the
+    assistant turn's opening unless `req.add_generation_prompt` is false), or given ids.
+    `req.add_special_tokens` (None: True for a prompt, False for messages, whose template writes its own).
 
     Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
     refuses the messages, or a text is longer than `max_chars` characters (checked before tokenizing).
@@ -94,17 +104,18 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     if req.prompt is not None:
-        text, special = req.prompt, True
+        text, special = req.prompt, req.add_special_tokens is not False
     else:
         messages = req.messages
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=bool(req.add_generation_prompt),
+                                                 tokenize=False)
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
             raise ValueError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from None
-        special = False
+        special = bool(req.add_special_tokens)
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(f"the prompt has {len(text)} characters: more than max_model_len tokens for sure "
                          f"(at most {max_chars} characters can fit)")
@@ -122,6 +133,8 @@ class RequestState:
     arrival_time: float
     stream: bool = False
     first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    num_output_tokens: int = 0
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
@@ -154,6 +167,7 @@ class FrontendProcess:
         assert config.max_model_len is not None
         self.max_prompt_chars = config.max_model_len * longest_token_chars(self.tokenizer)
         self.ready_info: dict[str, Any] = {}
+        self.stats = EngineStatsCollector(config.max_model_len)
 
     def start(self) -> None:
         msg = ipc.recv(self.from_scheduler)
@@ -164,7 +178,7 @@ class FrontendProcess:
         ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
-        return {"model": self.config.model, "max_model_len": self.config.max_model_len,
+        return {"model": self.config.served_model_names[0], "max_model_len": self.config.max_model_len,
                 "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "vocab_size": self.config.vocab_size, **self.ready_info}
 
@@ -250,7 +264,7 @@ class FrontendProcess:
             per_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
             for st in self.requests.values():
                 out = self._output(st, now, finished=True)
-                out.finish_reason, out.error = "error", why
+                out.finish_reason, out.error, out.error_type = "error", why, ERROR_ENGINE_DOWN
                 per_client[st.client].append(out)
             self.requests.clear()
             self.by_client.clear()
@@ -279,7 +293,14 @@ class FrontendProcess:
         elif isinstance(msg, GetEngineInfo):
             info = self.engine_info_dict()
             self._reply(client, EngineInfo(info.pop("model"), info.pop("max_model_len"), info.pop("num_kv_blocks"),
-                                           info.pop("block_size"), info.pop("vocab_size"), info))
+                                           info.pop("block_size"), info.pop("vocab_size"), info,
+                                           list(self.config.served_model_names)))
+        elif isinstance(msg, GetEngineStats):
+            self._reply(client, self.stats.snapshot(msg.reply_id))
+        elif isinstance(msg, Tokenize):
+            self._reply(client, self._tokenize(msg))
+        elif isinstance(msg, Detokenize):
+            self._reply(client, self._detokenize(msg))
         elif isinstance(msg, Ping):
             self._reply(client, Pong(msg.nonce))
         else:
@@ -299,7 +320,9 @@ class FrontendProcess:
                 engine_req, state = self._validate(client, req)
             except ValueError as exc:
                 rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=str(exc),
-                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0)))
+                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0),
+                                              error_type=ERROR_INVALID_REQUEST))
+                self.stats.num_finished["error"] += 1
                 continue
             self.requests[state.seq_id] = state
             self.by_client[(client, req.request_id)] = state.seq_id
@@ -309,12 +332,39 @@ class FrontendProcess:
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]
-                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why))
+                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why,
+                                              error_type=ERROR_INVALID_REQUEST))
+                self.stats.num_finished["error"] += 1
             accepted = []
         if accepted:
             ipc.send(self.to_scheduler, AddRequests(accepted))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
+
+    def _tokenize(self, msg: Tokenize) -> TokenizeResult:
+        """The token ids `msg.request` would run with, or why it cannot be tokenized or run (too long, ...)."""
+        try:
+            ids = encode_prompt(self.tokenizer, msg.request, self.max_prompt_chars)
+            arr = np.asarray(ids, dtype=np.int64)
+        except (ValueError, OverflowError) as exc:
+            return TokenizeResult(msg.reply_id, error=str(exc) if isinstance(exc, ValueError)
+                                  else "a token id does not fit in 64 bits: out of the vocabulary")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.config.vocab_size):
+            return TokenizeResult(msg.reply_id, error=f"token ids must be in [0, {self.config.vocab_size}); got min "
+                                                      f"{int(arr.min())}, max {int(arr.max())}")
+        return TokenizeResult(msg.reply_id, ids)
+
+    def _detokenize(self, msg: Detokenize) -> DetokenizeResult:
+        ids = msg.token_ids
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            return DetokenizeResult(msg.reply_id, error=f"token ids must be in [0, {self.config.vocab_size}); "
+                                                        f"got {bad}")
+        try:
+            text = self.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens)
+        except Exception as exc:  # the Rust tokenizer raises its own types (an id it has no piece for)
+            return DetokenizeResult(msg.reply_id, error=f"cannot decode these token ids: {exc}")
+        return DetokenizeResult(msg.reply_id, text)
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
@@ -354,12 +404,22 @@ class FrontendProcess:
         now = time.time()
         touched: dict[int, RequestState] = {}
         requests = self.requests
+        stats = self.stats
+        if msg.stats is not None:
+            stats.scheduler = msg.stats
+        observe_tpot = stats.tpot.observe
         for seq_id, token in zip(msg.seq_ids.tolist(), msg.token_ids.tolist()):
             st = requests.get(seq_id)
             if st is None:
                 continue
-            if not st.first_token_time:
+            if st.first_token_time:
+                observe_tpot(now - st.last_token_time)
+            else:
                 st.first_token_time = now
+                stats.first_token(st.num_prompt_tokens, now - st.arrival_time)
+            st.last_token_time = now
+            st.num_output_tokens += 1
+            stats.num_generation_tokens += 1
             piece = st.detokenizer.step(token)
             if st.stream:
                 st.new_token_ids.append(token)
@@ -382,8 +442,15 @@ class FrontendProcess:
                 log.warning("request %s failed: %s", st.request_id, fin.error)
             out = self._output(st, now, finished=True)
             out.finish_reason, out.error = fin.reason, fin.error
+            if fin.reason == "error":  # the scheduler refuses only requests that can never run
+                out.error_type = ERROR_INVALID_REQUEST
             out.num_cached_tokens = fin.num_cached_tokens
             out.metrics["num_preemptions"] = fin.num_preemptions
+            queue_s = fin.queue_time_s if fin.queue_time_s >= 0 else None
+            if queue_s is not None:
+                out.metrics["queue_s"] = queue_s
+            stats.finished(fin.reason, st.num_prompt_tokens, st.num_output_tokens, now - st.arrival_time,
+                           (st.first_token_time - st.arrival_time) if st.first_token_time else None, queue_s)
             per_client[st.client].append(out)
         for st in touched.values():  # streaming requests that got tokens and go on
             per_client[st.client].append(self._output(st, now, finished=False))
