@@ -59,11 +59,13 @@ def example_value(hint: Any, salt: int) -> Any:
             return {salt: 3 * salt, 2**40: 0}
         if value in (float, int | float):
             return {"ttft_s": 0.125 * salt, "e2e_s": 2.5}
+        if value is int:
+            return {"stop": salt, "length": 2 * salt}
         return {"model": "tiny", "nested": {"ids": [1, 2, 3], "ok": True, "raw": b"\x00\xff", "none": None}}
     if dataclasses.is_dataclass(hint):
         return example_message(hint, salt)
     if hint is bool:
-        return True  # every bool field defaults to False
+        return True  # (a field defaulting to True gets False: example_message)
     if hint is int:
         return 1000 * salt + 7
     if hint is float:
@@ -77,7 +79,8 @@ def example_value(hint: Any, salt: int) -> Any:
 
 def example_message(cls: type, salt: int = 1) -> Any:
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: example_value(hints[f.name], salt + i) for i, f in enumerate(dataclasses.fields(cls))})
+    return cls(**{f.name: (not f.default) if f.default is True else example_value(hints[f.name], salt + i)
+                  for i, f in enumerate(dataclasses.fields(cls))})
 
 
 def assert_same_message(actual: Any, expected: Any, where: str = "message") -> None:
@@ -363,7 +366,7 @@ def test_extra_trailing_fields_from_a_newer_peer_are_ignored(name: str) -> None:
 
 
 def test_extra_trailing_fields_of_a_nested_struct_are_ignored() -> None:
-    request = ["r1", "hello", None, None, {"max_tokens": 3}, True, "field-from-the-future"]
+    request = ["r1", "hello", None, None, {"max_tokens": 3}, True, True, None, "field-from-the-future"]
 
     decoded = decode(pack(PROTOCOL_VERSION, "Submit", [request], True))
 

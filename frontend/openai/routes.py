@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
 import secrets
 import time
 import uuid
@@ -109,33 +111,38 @@ class GuardMiddleware:
                 return await err.response()(scope, receive, send)
         limit = self.state.max_body_bytes
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return await self._too_large(scope, receive, send, length.decode("latin-1"))
-        received = 0
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal received
+        if length is not None:  # the HTTP parser holds the client to it: no more than this is read
+            if not length.isdigit() or int(length) > limit:
+                return await self._too_large(scope, receive, send, length.decode("latin-1"))
+            return await self.app(scope, receive, send)
+        # A chunked body: read it here, up to the limit, and hand it on whole.
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client left
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await self._too_large(scope, receive, send, f"more than {limit}")
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except BodyTooLarge:
-            await self._too_large(scope, receive, send, f"more than {limit}")
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Any, receive: Any, send: Any, size: str) -> None:
         limit = self.state.max_body_bytes
         err = APIError(413, f"the request body has {size} bytes; at most {limit} are accepted "
                             f"(DELTASERVE_HTTP_MAX_BODY_MB={limit / (1 << 20):g})", code="request_too_large")
         await err.response()(scope, receive, send)
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -147,7 +154,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         why = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {why}".rstrip(": "), None
     loc = [p for p in first.get("loc", ()) if p != "body"]
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+    if not loc and first.get("type") == "missing":
+        return "the request body is empty: send a JSON object", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None
     path, tags = _path(loc)
     if tags:  # a union: pydantic reports one error per alternative, each under its alternative's tag
@@ -221,7 +230,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def engine_error(out: RequestOutput, param: str) -> APIError:
     """The HTTP error for a request the engine ended with an error."""
     if out.error_type == ERROR_INVALID_REQUEST:
-        return APIError(400, out.error or "invalid request", param=param)
+        return APIError(400, f"{param}: {out.error or 'invalid'}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
         return unavailable(out.error)
     return APIError(500, out.error or "the engine failed this request", "server_error")
@@ -330,13 +339,20 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def version() -> str:
+    """deltaserve's version: the installed package's, else that of the checkout's pyproject.toml."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as package_version
 
     try:
         return package_version("deltaserve")
-    except PackageNotFoundError:
-        return "unknown"
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        pyproject = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
+        try:
+            with open(pyproject, encoding="utf-8") as f:
+                found = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.MULTILINE)
+        except OSError:
+            found = None
+        return found.group(1) if found else "unknown"
 
 
 # ---------------------------------------------------------------------------------------------- the app
