@@ -141,9 +141,6 @@ class AsyncEngineClient:
             self.sock = ipc.make_socket(self.ctx, zmq.DEALER, address, bind=False)
         except zmq.ZMQError as exc:
             raise ValueError(f"cannot connect to the engine address {address!r}: {exc.strerror}") from None
-        # Sends go through a plain (synchronous) view of the same socket: a DEALER without a high-water
-        # mark queues at once, so a send never waits, and a cancelled handler cannot leave half a message.
-        self._sender = zmq.Socket.shadow(self.sock.underlying)
         self.ping_interval_s = ping_interval_s
         self.dead_after_s = dead_after_s
         self.info: EngineInfo | None = None  # set by the first answer to engine_info()
@@ -210,7 +207,13 @@ class AsyncEngineClient:
             self._send_bytes(encode(Abort(list(request_ids))))
 
     def _send_bytes(self, data: bytes) -> None:
-        self._sender.send(data, copy=False)
+        # A DEALER without a high-water mark queues at once: the send is done on return (no await, so a
+        # cancelled handler cannot leave a message half sent). It must go through the asyncio socket, which
+        # then re-checks for incoming messages: ZeroMQ signals its file descriptor on edges, and a send made
+        # behind its back can swallow the edge that announced an output, leaving the reader asleep.
+        fut = self.sock.send(data, copy=False)
+        if fut.done():
+            fut.result()  # raises the send's error, if any
 
     # ------------------------------------------------------------------ questions
     async def engine_info(self, timeout_s: float | None = None) -> EngineInfo:
