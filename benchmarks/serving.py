@@ -22,6 +22,10 @@ serve`; `--no-ignore-eos` for servers without it); `--endpoint chat` sends text 
         --output-len 128 --request-rate 4 16 64
     python benchmarks/serving.py --launch DIR ...    # start deltaserve itself, measure, stop it
 
+With `--launch`, it also prints the CPU time each server process used per wall second of the run, and the HTTP
+server processes' CPU microseconds per output token: a process near 1.0 CPU s per s cannot keep up, and
+`--launch-arg=--api-server-count=2` is worth measuring.
+
 `--client-processes N` spreads the requests over N client processes (each with its own event loop), so that a
 fast server is not measured by a slow client. `--offline DIR` runs the same requests through `LLM.generate`
 instead (no HTTP; a burst, or one request at a time with `--max-concurrency 1`), with TTFT and TPOT as the
@@ -258,6 +262,32 @@ def print_summary(s: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def server_processes(launcher_pid: int) -> dict[str, int]:
+    """Process title ("deltaserve-http-0", ...) -> pid, for the children of `launcher_pid`."""
+    out = {}
+    for status in os.scandir("/proc"):
+        if not status.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{status.name}/status") as f:
+                if f"\nPPid:\t{launcher_pid}\n" not in f.read():
+                    continue
+            with open(f"/proc/{status.name}/cmdline", "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode().split()
+        except OSError:
+            continue
+        if title and title[0].startswith("deltaserve-"):
+            out[title[0][len("deltaserve-"):]] = int(status.name)
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    sys.path.insert(0, REPO)
+    from benchmarks.proc_stats import cpu_seconds as one
+
+    return {name: one(pid) for name, pid in pids.items()}
+
+
 def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """Start `launch.py --model LAUNCH --http-port PORT` and wait until it serves."""
     sys.path.insert(0, REPO)
@@ -339,8 +369,18 @@ def main() -> None:
                 warm = argparse.Namespace(**{**vars(args), "dataset": "random", "num_prompts": args.warmup,
                                              "input_len": 16, "output_len": 4, "range_ratio": 0.0})
                 run_load(warm, model, math.inf)
+            pids = server_processes(server.pid) if server is not None else {}
+            cpu_before = cpu_seconds(pids)
             results, duration = run_load(args, model, rate)
             summary = summarize(results, duration, rate)
+            if pids:
+                used = {name: s - cpu_before[name] for name, s in cpu_seconds(pids).items()}
+                summary["cpu_s_per_wall_s"] = {name: used[name] / duration for name in sorted(used)}
+                http_cpu = sum(s for name, s in used.items() if name.startswith("http"))
+                summary["http_cpu_us_per_output_token"] = 1e6 * http_cpu / max(1, summary["total_output_tokens"])
+                print("server CPU s per wall s: " + ", ".join(f"{n} {v:.2f}" for n, v in
+                                                              summary["cpu_s_per_wall_s"].items()))
+                print(f"HTTP server CPU per output token: {summary['http_cpu_us_per_output_token']:.1f} us")
             summary.update(model=model, base_url=args.base_url, dataset=args.dataset, endpoint=args.endpoint,
                            max_concurrency=args.max_concurrency, client_processes=args.client_processes)
             print_summary(summary)

@@ -36,6 +36,7 @@ from frontend.openai.routes import ServerState, build_app, version
 log = logging.getLogger("deltaserve.http")
 GRACEFUL_SHUTDOWN_S = 3.0
 FAIL_OPEN_REQUESTS_AFTER_S = 1.0
+LISTEN_BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 
 
 class _Server(uvicorn.Server):
@@ -75,9 +76,9 @@ class HTTPServerProcess:
             raise SystemExit(128 + self.stopped_by)
 
     def _listening_socket(self) -> socket.socket:
-        if self.fd >= 0:
-            return socket.socket(fileno=self.fd)
-        return ipc.hold_port(self.host, self.port)  # started by hand: bind it here
+        sock = socket.socket(fileno=self.fd) if self.fd >= 0 else ipc.hold_port(self.host, self.port)
+        sock.listen(LISTEN_BACKLOG)  # the launcher's 128 would drop connections of a burst of clients
+        return sock
 
     async def _serve(self) -> None:
         client = AsyncEngineClient(self.endpoints.client)
