@@ -48,12 +48,26 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
     return logging.getLogger(f"deltaserve.{name}")
 
 
-def _raise_system_exit(signum: int, frame: object) -> None:
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    if _in_finalizer(frame):
+        # Python prints an exception raised in a __del__ ("Exception ignored in ...") and drops it: the
+        # process would go on as if never told to stop. Deliver the signal again once out of it.
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the clean-up
     if stop_signals_deferred.depth:  # in the middle of something that must not be cut (a multipart send)
         stop_signals_deferred.signum = signum
         return
     raise SystemExit(128 + signum)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether `frame` runs inside an object's `__del__` (e.g. one that a garbage collection triggered)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _StopDeferred:
