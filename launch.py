@@ -3,6 +3,7 @@
     python launch.py                                  # demo: SmolLM2-135M-Instruct answers a few questions
     python launch.py --model DIR --prompt "Hi" --json # one-shot on a local Qwen3 / Llama checkpoint
     python launch.py --model DIR --serve --port 8000  # serve; then: python -m frontend.client --port 8000 "Hi"
+    python launch.py --model DIR --serve --http-port 8000   # the OpenAI API on http://127.0.0.1:8000/v1
     python launch.py --model DIR --tp 2               # tensor parallel over two devices
 """
 
@@ -48,6 +49,9 @@ def build_parser() -> ArgumentParser:
                    help="local Hugging Face folder of a Qwen3, Llama or Mistral (without a sliding window) checkpoint; "
                         "default: the built-in SmolLM2-135M-Instruct demo model (downloaded and converted once)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API: requests may ask for any, responses carry the first "
+                        "(default: the model folder's name)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request, prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -98,8 +102,18 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     v = p.add_argument_group("serving")
     v.add_argument("--serve", action="store_true", help="serve clients until interrupted (Ctrl-C / SIGTERM)")
-    v.add_argument("--host", default="127.0.0.1", help="address the client socket binds to")
-    v.add_argument("--port", type=int, default=8000, help="client socket port (1..65535)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP server and the ZeroMQ client socket bind to (0.0.0.0: every interface)")
+    v.add_argument("--port", type=int, default=None,
+                   help="ZeroMQ client socket port (1..65535); default 8000, or none with --http-port (the HTTP "
+                        "server then reaches the engine inside this host)")
+    v.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port (implies --serve)")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $DELTASERVE_API_KEY, "
+                        "else no key)")
+    v.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP server processes sharing --http-port (more only if one cannot keep up)")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
     v.add_argument("--client-key", default=None,
@@ -150,9 +164,21 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
         where = undecodable_text(text)
         if where is not None:
             parser.error(f"--prompt {n} is not UTF-8 text: {where} cannot be decoded: give prompts in UTF-8")
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
-    unresolved = unresolvable_host(f"tcp://{args.host}:{args.port}")  # the engine's own sockets use it too
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port is not None and not 0 < port < 65536:
+            parser.error(f"{flag} must be in 1..65535, got {port}")
+    if args.port is not None and args.port == args.http_port:
+        parser.error(f"--port and --http-port are both {args.port}: give them different ports")
+    if not 1 <= args.api_server_count <= 64:
+        parser.error(f"--api-server-count must be in 1..64, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.http_port is None:
+        parser.error("--api-server-count needs --http-port")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key must not be empty")
+    if args.client_key is not None and args.http_port is not None:
+        parser.error("--client-key secures the ZeroMQ client port, which the HTTP server (--http-port) connects "
+                     "to itself: use one or the other (the HTTP server takes --api-key)")
+    unresolved = unresolvable_host(f"tcp://{args.host}:1")  # the engine's own sockets use it too
     if unresolved is not None:
         parser.error(f"cannot resolve --host {unresolved[0]!r}: {unresolved[1]}")
 
@@ -162,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     from common.ipc import AddressInUseError
-    from frontend.launcher import EngineDeadError, EngineProcesses, EngineStartError
+    from frontend.launcher import EngineDeadError, EngineProcesses, EngineStartError, HTTPOptions
 
+    if args.http_port is not None:
+        args.serve = True
     demo = args.model is None and not args.prompt and not args.serve
     if not args.serve and not args.prompt and not demo:
         parser.error("give --prompt (one or more), or --serve")
@@ -206,21 +234,32 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.option_error(str(exc))
     prompts = args.prompt or DEMO_PROMPTS
-    client_address = f"tcp://{args.host}:{args.port}" if args.serve else None
-    client_listener = None
-    if args.serve:  # the port is this engine's from here on: a second engine started meanwhile is refused here
+    # Serving: ZeroMQ clients on --port (8000 unless only --http-port is given), HTTP on --http-port.
+    zmq_port = args.port if args.port is not None or args.http_port is not None else 8000
+    client_address = f"tcp://{args.host}:{zmq_port}" if args.serve and zmq_port is not None else None
+    client_listener = http = None
+    if args.serve:  # the ports are this engine's from here on: a second engine started meanwhile is refused here
         from common.ipc import hold_port
 
-        try:
-            client_listener = hold_port(args.host, args.port)
-        except AddressInUseError as exc:  # one line, not the usage: the arguments are fine, the port is taken
-            parser.exit(2, f"{parser.prog}: error: {exc} (is another engine serving there? choose --port)\n")
-        except ValueError as exc:  # e.g. a --host that is not an address of this machine
-            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        held: dict[str, Any] = {}
+        for flag, port in (("--port", zmq_port), ("--http-port", args.http_port)):
+            if port is None:
+                continue
+            try:
+                held[flag] = hold_port(args.host, port)
+            except ValueError as exc:
+                for sock in held.values():
+                    sock.close()
+                in_use = isinstance(exc, AddressInUseError)
+                hint = f" (is another engine serving there? choose {flag})" if in_use else ""
+                parser.exit(2, f"{parser.prog}: error: {exc}{hint}\n")  # one line: the arguments are fine
+        client_listener = held.get("--port")
+        if "--http-port" in held:
+            http = HTTPOptions(args.host, args.http_port, held["--http-port"], args.api_key, args.api_server_count)
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,
-                                 client_listener=client_listener, client_curve=client_curve)
+                                 client_listener=client_listener, client_curve=client_curve, http=http)
     except (ConfigError, ValueError, OSError) as exc:
         parser.option_error(str(exc))
     # Ctrl-C and SIGTERM stop the engine, also when started from a script that ignores SIGINT.
@@ -230,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = engine.start()  # a capacity warning, if any, was logged by the scheduler
         if args.serve:
-            print(f"deltaserve: serving {model} on {engine.endpoints.client} "
+            where = [f"the OpenAI API on http://{args.host}:{args.http_port}/v1"] if http is not None else []
+            if client_address is not None:
+                where.append(f"ZeroMQ clients on {engine.endpoints.client}")
+            print(f"deltaserve: serving {info['model']} ({model}) to {' and '.join(where)} "
                   f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}); "
                   "Ctrl-C to stop", flush=True)
             engine.wait()

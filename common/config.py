@@ -43,6 +43,7 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
+    served_model_name: tuple[str, ...] | None = None  # names clients use for it; None: the model folder's name
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -106,6 +107,13 @@ class EngineConfig:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None and (not isinstance(names, (list, tuple)) or not names
+                                  or not all(isinstance(n, str) and n.strip() for n in names)):
+            raise ConfigError(f"served_model_name must be a non-empty name or list of names, got {names!r}")
+        object.__setattr__(self, "served_model_name", None if names is None else tuple(names))
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer folder {self.tokenizer!r} does not exist")
         if self.dtype not in DTYPES:
@@ -173,6 +181,12 @@ class EngineConfig:
         )
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names clients use for the model (the first is the one responses carry): `served_model_name`,
+        or the model folder's own name (never its path, which is this machine's business)."""
+        return self.served_model_name or (os.path.basename(os.path.normpath(self.model)),)
+
+    @property
     def max_blocks_per_seq(self) -> int:
         """Width of a block table: blocks needed for one `max_model_len` sequence."""
         assert self.max_model_len is not None, "call resolve() first"
@@ -185,7 +199,7 @@ class EngineConfig:
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
         data: dict[str, Any] = json.loads(text)
-        for key in ("cuda_graph_sizes", "eos_token_ids"):
+        for key in ("cuda_graph_sizes", "eos_token_ids", "served_model_name"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
         return cls(**data)

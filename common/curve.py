@@ -112,14 +112,15 @@ class CurveKeys:
 
 
 def launch_keys(endpoints: Endpoints, processes: list[str], client_port: CurveServer | None = None,
-                served_client: bool = False) -> dict[str, CurveKeys]:
-    """Fresh keys for one launch: process name ("launcher", "frontend", "scheduler", "worker-tp<r>") ->
-    its `CurveKeys`. Each bound internal tcp address admits only its peers (`Endpoints.allowed_peers`).
+                served_client: bool = False, http_servers: int = 0) -> dict[str, CurveKeys]:
+    """Fresh keys for one launch: process name ("launcher", "frontend", "scheduler", "worker-tp<r>",
+    "http-<i>") -> its `CurveKeys`. Each bound internal tcp address admits only its peers
+    (`Endpoints.allowed_peers`, with `http_servers` HTTP server processes).
     With `served_client`, `endpoints.client` is the operator's client port: served with `client_port`
     (None: plain), not with the internal keys."""
     server_public, server_secret = new_key_pair()
     pairs = {name: new_key_pair() for name in processes}
-    peers = endpoints.allowed_peers()
+    peers = endpoints.allowed_peers(http_servers)
     keys = {}
     for name in processes:
         servers = {}

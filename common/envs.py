@@ -143,8 +143,21 @@ def frontend_timeout_s() -> float:
     return _number("DELTASERVE_FRONTEND_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
+def api_key() -> str | None:
+    """DELTASERVE_API_KEY: the key HTTP clients must send (`Authorization: Bearer KEY`) on every /v1 route
+    (unset or empty: none needed); `launch.py --api-key` sets it for the HTTP server processes."""
+    return os.environ.get("DELTASERVE_API_KEY") or None
+
+
+def http_max_body_bytes() -> int:
+    """DELTASERVE_HTTP_MAX_BODY_MB: the largest HTTP request body accepted, in MiB (default 16; larger bodies
+    get a 413 before they are read)."""
+    return int(_number("DELTASERVE_HTTP_MAX_BODY_MB", "16", 0.0, allow_minimum=False, meaning="MiB") * (1 << 20))
+
+
 def check_all() -> None:
     """Read every variable once; raises `ValueError` naming the first bad one."""
+    http_max_body_bytes()
     client_silence_s()
     scheduler_timeout_s()
     frontend_timeout_s()

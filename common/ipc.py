@@ -117,12 +117,13 @@ class Endpoints:
                 "scheduler": [self.scheduler_in, self.worker_out, *self.plans],
                 "worker-tp0": [self.dist_init] if self.dist_init else []}.get(process, [])
 
-    def allowed_peers(self) -> dict[str, tuple[str, ...]]:
+    def allowed_peers(self, http_servers: int = 0) -> dict[str, tuple[str, ...]]:
         """Bound address -> the processes that connect to it: the only peers its CURVE server admits.
-        `client` lists the launcher (its own client, `LLM` or a one-shot run); a served client port is
-        the operator's (`--client-key`)."""
+        `client` lists the launcher (its own client, `LLM` or a one-shot run) and the `http_servers` HTTP
+        server processes ("http-<i>"); a served client port is the operator's (`--client-key`)."""
         workers = tuple(f"worker-tp{r}" for r in range(len(self.plans)))
-        peers = {self.control: ("frontend", "scheduler", *workers), self.client: ("launcher",),
+        http = tuple(f"http-{i}" for i in range(http_servers))
+        peers = {self.control: ("frontend", "scheduler", *workers, *http), self.client: ("launcher", *http),
                  self.frontend_in: ("scheduler",), self.scheduler_in: ("frontend",), self.worker_out: workers}
         peers.update({address: (worker,) for address, worker in zip(self.plans, workers)})
         return peers

@@ -51,12 +51,26 @@ def setup_process(name: str, log_level: str = "WARNING", parent_pid: int | None 
     return logging.getLogger(f"deltaserve.{name}")
 
 
-def _raise_system_exit(signum: int, frame: object) -> None:
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    if _in_finalizer(frame):
+        # Python prints an exception raised in a __del__ ("Exception ignored in ...") and drops it: the
+        # process would go on as if never told to stop. Deliver the signal again once out of it.
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the clean-up
     if stop_signals_deferred.depth:  # in the middle of something that must not be cut (a multipart send)
         stop_signals_deferred.signum = signum
         return
     raise SystemExit(128 + signum)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether `frame` runs inside an object's `__del__` (e.g. one that a garbage collection triggered)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _StopDeferred:
@@ -147,12 +161,17 @@ def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
 
 
 def engine_process_main(kind: str, module: str, description: str, factory: Callable[..., Any],
-                        argv: list[str] | None = None, with_rank: bool = False) -> None:
-    """The `main` of an engine process (`python -m <module>`: frontend, scheduler_proc or workers).
+                        argv: list[str] | None = None, with_rank: bool = False,
+                        add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                        name_of: Callable[[argparse.Namespace], str] | None = None) -> None:
+    """The `main` of an engine process (`python -m <module>`: frontend, scheduler_proc, workers or
+    frontend.openai).
 
-    Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid` and, for
-    workers, `--rank`; builds the process with `factory(config, endpoints, args)`, then runs its
-    `start()`, `serve()` and `close()` under the optional profiler, reporting a failure to the launcher.
+    Parses `--config` (EngineConfig JSON), `--endpoints` (Endpoints JSON), `--parent-pid`, for workers
+    `--rank`, and whatever `add_arguments(parser)` adds; the process is named `name_of(args)` (default:
+    `kind`, or `kind-tpN` for a worker). Builds the process with `factory(config, endpoints, args)`, then
+    runs its `start()`, `serve()` and `close()` under the optional profiler, reporting a failure to the
+    launcher.
     """
     from common.config import EngineConfig
 
@@ -162,6 +181,8 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
     if with_rank:
         parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the launcher) ends")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config)
     try:  # the secret keys come through the environment: a command line is visible to every local user
@@ -169,7 +190,7 @@ def engine_process_main(kind: str, module: str, description: str, factory: Calla
     except ValueError as exc:
         parser.error(str(exc))
     endpoints = ipc.Endpoints.from_dict(json.loads(args.endpoints)).with_curve(keys)
-    name = f"{kind}-tp{args.rank}" if with_rank else kind
+    name = name_of(args) if name_of is not None else f"{kind}-tp{args.rank}" if with_rank else kind
     setup_process(name, config.log_level, args.parent_pid)
 
     def body() -> None:

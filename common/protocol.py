@@ -5,6 +5,9 @@ Processes and sockets (all ZeroMQ, ipc:// in a per-launch folder or tcp://)::
     client --DEALER/ROUTER--> frontend --PUSH/PULL--> scheduler --PUSH/PULL (one per rank)--> workers
     client <----------------- frontend <-------------- scheduler <------------- (rank 0 results)
 
+A client is `EngineClient`, `LLM`, or an HTTP server process (`frontend/openai/`, through
+`AsyncEngineClient`); all speak the same client messages.
+
 Wire format: msgpack only (never pickle: a message from the network must not be able to run
 code). A message is the array ``[PROTOCOL_VERSION, type_name, field_1, field_2, ...]`` with its
 fields in declaration order; nested structs are plain arrays of their fields. Integer arrays
@@ -224,6 +227,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True  # end the text with the opening of the assistant's turn
     continue_final_message: bool = False  # leave the last message open, for the model to continue it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
+    add_special_tokens: bool | None = None  # None: True for `prompt` (as tokenizer() does), False for `messages`
 
 
 @_message
@@ -256,6 +260,7 @@ class EngineInfo:
     block_size: int
     vocab_size: int
     info: dict[str, Any] = field(default_factory=dict)
+    served_model_names: list[str] = field(default_factory=list)  # names clients may ask for; `model` is the first
 
 
 @_message
@@ -323,7 +328,8 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    metrics: dict[str, int | float] = field(default_factory=dict)  # ttft_s, e2e_s (seconds), num_preemptions; on finish
+    # On finish: ttft_s, e2e_s, queue_s (arrival to first scheduled), all in seconds; num_preemptions.
+    metrics: dict[str, int | float] = field(default_factory=dict)
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -331,6 +337,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     index: int = 0  # the sample the fields above describe
     samples: list[SampleOutput] = field(default_factory=list)  # the other samples with news, index order
+    error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST or ERROR_ENGINE_DOWN
 
     @property
     def outputs(self) -> list[SampleOutput]:
@@ -338,6 +345,11 @@ class RequestOutput:
         first = SampleOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
                              self.logprobs, self.cumulative_logprob)
         return sorted([first, *self.samples], key=lambda s: s.index)
+
+
+# RequestOutput.error_type: whose fault an error is, so an HTTP server can answer 400 or 503.
+ERROR_INVALID_REQUEST = "invalid_request"  # this request can never run (a field out of range, a prompt too long)
+ERROR_ENGINE_DOWN = "engine_down"  # the engine is shutting down or a process died: the request may be retried
 
 
 @_message
@@ -407,6 +419,80 @@ class Logprobs:
     top_logprobs: Float32Array  # [sum(counts * num_top)]
 
 
+@_message
+class Tokenize:
+    """Client -> frontend: the token ids the engine would run for `request` (its prompt, prompt_token_ids or
+    messages, add_generation_prompt and add_special_tokens; nothing is generated). Answered by `TokenizeResult`."""
+
+    reply_id: int  # chosen by the client, copied into the answer
+    request: GenerateRequest
+
+
+@_message
+class TokenizeResult:
+    reply_id: int
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why the prompt could not be tokenized (then `token_ids` is empty)
+
+
+@_message
+class Detokenize:
+    """Client -> frontend: the text of `token_ids`. Answered by `DetokenizeResult`."""
+
+    reply_id: int
+    token_ids: list[int]
+    skip_special_tokens: bool = False
+
+
+@_message
+class DetokenizeResult:
+    reply_id: int
+    text: str = ""
+    error: str | None = None  # e.g. a token id outside the vocabulary
+
+
+@_message
+class GetEngineStats:
+    """Client -> frontend: ask for `EngineStats` (what a /metrics endpoint shows)."""
+
+    reply_id: int
+
+
+@_struct
+class Histogram:
+    """Observations of one quantity, in buckets (Prometheus' cumulative buckets are sums of these)."""
+
+    name: str  # e.g. "time_to_first_token_seconds"
+    upper_bounds: list[float]  # ascending bucket bounds, in the quantity's unit (seconds or tokens)
+    bucket_counts: list[int]  # observations v with upper_bounds[i-1] < v <= upper_bounds[i]; one more for > the last
+    total: float  # sum of all observations
+
+
+@_struct
+class SchedulerStats:
+    """The scheduler's state after a step (counts in requests, blocks or tokens; totals since start)."""
+
+    num_running: int  # requests holding KV blocks
+    num_waiting: int  # requests queued for admission, preempted ones included
+    num_kv_blocks: int
+    num_free_blocks: int  # blocks no live request holds (cached prefixes among them can be reused or evicted)
+    num_preemptions: int  # total
+    prefix_cache_queries: int  # total prompt tokens looked up in the prefix cache at first admission
+    prefix_cache_hits: int  # total of those tokens found in the cache
+
+
+@_message
+class EngineStats:
+    """Frontend -> client: engine-wide statistics, totals since the engine started."""
+
+    reply_id: int
+    scheduler: SchedulerStats | None = None  # the latest the scheduler sent (None before its first step)
+    num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill finished (first token sampled)
+    num_generation_tokens: int = 0  # output tokens sampled
+    num_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests ended so far
+    histograms: list[Histogram] = field(default_factory=list)  # per-request latencies and lengths (frontend/stats.py)
+
+
 # ============================================================================ frontend -> scheduler
 @_struct
 class EngineRequest:
@@ -441,6 +527,7 @@ class FinishedSeq:
     num_cached_tokens: int = 0
     error: str | None = None  # set when reason == "error" (e.g. needs more KV blocks than exist)
     num_preemptions: int = 0  # times it was preempted and recomputed
+    queue_time_s: float = -1.0  # seconds from arrival_time to its first scheduling; -1: never scheduled
 
 
 @_message
@@ -454,6 +541,7 @@ class StepOutputs:
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prefix hit, on first token
     logprobs: Logprobs | None = None  # rows: indices into seq_ids, for the requests that asked
     prompt_logprobs: Logprobs | None = None  # rows: seq ids
+    stats: SchedulerStats | None = None  # the scheduler's state once this step's results are applied
 
 
 # ============================================================================ scheduler -> workers

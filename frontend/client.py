@@ -30,6 +30,7 @@ import zmq
 from common import ipc
 from common.curve import CurveKeys, client_keys, load_key_file
 from common.protocol import (
+    ERROR_INVALID_REQUEST,
     MAX_REQUEST_ID_CHARS,
     MIN_MAX_MESSAGE_BYTES,
     Abort,
@@ -259,7 +260,8 @@ class EngineClient:
         """True if `why` is None; else False, and `req` finishes at once with that reason."""
         if why is not None:
             self._pending.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                               error=f"this request cannot be sent: {why}"))
+                                               error=f"this request cannot be sent: {why}",
+                                               error_type=ERROR_INVALID_REQUEST))
         return why is None
 
     def max_message_bytes(self) -> int:

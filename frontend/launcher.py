@@ -1,6 +1,7 @@
 """Start the engine's processes, wait until they are ready, watch them, stop them.
 
-One engine = one frontend, one scheduler and one worker per tensor-parallel rank, each a
+One engine = one frontend, one scheduler and one worker per tensor-parallel rank, plus, when it
+serves HTTP, one or more OpenAI-compatible HTTP server processes (`frontend/openai/`), each a
 separate `python -m <package>` process (so each can also be started by hand, e.g. a worker on
 another host, or under a profiler). Every process reports ready or failed on the launcher's
 control socket. If any process dies, `check()` raises `EngineDeadError` naming it, after
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -36,6 +38,18 @@ PROFILE_SHUTDOWN_S = 120.0  # with profiling, the processes write their traces (
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@dataclass(frozen=True)
+class HTTPOptions:
+    """The OpenAI-compatible HTTP server: `count` processes serving `host`:`port` through `listener` (a
+    socket already listening there, `ipc.hold_port`), requiring `api_key` on /v1 routes when set."""
+
+    host: str
+    port: int
+    listener: socket.socket
+    api_key: str | None = None
+    count: int = 1
+
+
 class EngineStartError(RuntimeError):
     """A process failed while the engine was starting; the message says which and why."""
 
@@ -48,13 +62,15 @@ class EngineProcesses:
     def __init__(self, config: EngineConfig, client_address: str | None = None, transport: str = "ipc",
                  host: str = "127.0.0.1", local_ranks: list[int] | None = None,
                  on_external_worker: Any = None, client_listener: socket.socket | None = None,
-                 client_curve: CurveServer | None = None) -> None:
+                 client_curve: CurveServer | None = None, http: HTTPOptions | None = None) -> None:
         """`config` is resolved here (raises `ConfigError` for an unusable model or setting, and
         `ValueError` naming a bad DELTASERVE_* environment variable, before any process starts).
 
         `client_listener`: a socket already listening on `client_address` (`ipc.hold_port`); the frontend
         inherits it and serves on it, so the port stays this engine's while the model loads. Owned (and
         closed) from here on. `client_curve`: serve `client_address` with CURVE (`--client-key`).
+
+        `http`: also serve the OpenAI API over HTTP (its listening socket is owned from here on too).
 
         `local_ranks`: the worker ranks started here (default: all; rank 0, which serves the
         torch.distributed rendezvous on `host`, must be one). Every other rank is an external worker,
@@ -77,11 +93,20 @@ class EngineProcesses:
         self.on_external_worker = on_external_worker
         self.endpoints = ipc.Endpoints.create(self.config.tensor_parallel_size, transport, host)
         self.client_listener = client_listener
+        self.http = http
+        if http is not None and not 1 <= http.count <= 64:
+            raise ValueError(f"api_server_count must be in 1..64, got {http.count}")
         if client_address:
             fd = client_listener.fileno() if client_listener is not None else -1
             self.endpoints = self.endpoints.with_client(client_address, fd)
-        names = ["launcher", "frontend", "scheduler", *(f"worker-tp{r}" for r in range(tp))]
-        self.keys = launch_keys(self.endpoints, names, client_curve, served_client=bool(client_address))
+        if http is not None and client_curve is not None:
+            raise ValueError("--client-key secures the ZeroMQ client port, which the HTTP server (--http-port) "
+                             "connects to itself: use one or the other (the HTTP server takes --api-key)")
+        num_http = http.count if http is not None else 0
+        names = ["launcher", "frontend", "scheduler", *(f"worker-tp{r}" for r in range(tp)),
+                 *(f"http-{i}" for i in range(num_http))]
+        self.keys = launch_keys(self.endpoints, names, client_curve, served_client=bool(client_address),
+                                http_servers=num_http)
         self.endpoints = self.endpoints.with_curve(self.keys["launcher"])
         self.client_curve = client_curve
         self.ctx = zmq.Context.instance()
@@ -108,17 +133,21 @@ class EngineProcesses:
         """The environment variables process `name` needs beyond the launcher's own: its CURVE keys."""
         return {CURVE_ENV_VAR: self.keys[name].to_json()}
 
-    def client_keys(self) -> CurveKeys | None:
-        """The CURVE keys for a client of `endpoints.client` in this process (None: a plain socket)."""
+    def client_keys(self, name: str = "launcher") -> CurveKeys | None:
+        """The CURVE keys for a client of `endpoints.client` run by process `name` (this one, or an HTTP
+        server "http-<i>", which has its keys in its environment); None: a plain socket."""
         if self.client_curve is not None:
             return client_keys(self.client_curve.public)
-        return self.keys["launcher"] if self.endpoints.client in self.keys["frontend"].servers else None
+        return self.keys[name] if self.endpoints.client in self.keys["frontend"].servers else None
 
-    def _spawn(self, name: str, module: str, *extra: str) -> None:
+    def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = (),
+               env_extra: dict[str, str] | None = None) -> None:
         env = {**os.environ, **self.process_env(name)}
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(env_extra or {})  # e.g. the API key: not on a command line, which `ps` shows to everyone
         cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)
-        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, pass_fds=self.endpoints.fds_of(name))
+        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT,
+                                            pass_fds=(*self.endpoints.fds_of(name), *pass_fds))
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Start every process and wait until all are ready; returns the frontend's engine info.
@@ -135,6 +164,15 @@ class EngineProcesses:
                     self.on_external_worker(rank, *self.worker_command(rank))
             self._spawn("scheduler", "scheduler_proc")
             self._spawn("frontend", "frontend")
+            if self.http is not None:
+                fd = self.http.listener.fileno()
+                key = {"DELTASERVE_API_KEY": self.http.api_key} if self.http.api_key else {}
+                for i in range(self.http.count):
+                    curve = ("--client-curve",) if self.client_keys(f"http-{i}") is not None else ()
+                    self._spawn(f"http-{i}", "frontend.openai", "--index", str(i), "--http-host", self.http.host,
+                                "--http-port", str(self.http.port), "--http-fd", str(fd), *curve, pass_fds=(fd,),
+                                env_extra=key)
+                self._release_http_listener()
             # Each port is held by the process that binds it now: its exit must free it.
             self._release_client_listener()
             self.endpoints.release_ports()
@@ -174,6 +212,10 @@ class EngineProcesses:
         if self.client_listener is not None:
             self.client_listener.close()
             self.client_listener = None
+
+    def _release_http_listener(self) -> None:
+        if self.http is not None and self.http.listener.fileno() >= 0:
+            self.http.listener.close()
 
     # ------------------------------------------------------------------ watch
     def _raise_if_dead(self, error: type[RuntimeError]) -> None:
@@ -228,6 +270,7 @@ class EngineProcesses:
         if self.config.profile_dir and profile_grace:
             timeout_s = max(timeout_s, PROFILE_SHUTDOWN_S)
         self.endpoints.release_ports()
+        self._release_http_listener()
         hurry = threading.Event()
         restore = _divert_stop_signals(hurry.set)
         try:

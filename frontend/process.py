@@ -36,16 +36,21 @@ from common.limits import prompt_limit_error, token_id_range_error
 from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
+    ERROR_ENGINE_DOWN,
+    ERROR_INVALID_REQUEST,
     MAX_REQUEST_ID_CHARS,
     Abort,
     AbortSeqs,
     AddRequests,
+    Detokenize,
+    DetokenizeResult,
     EngineInfo,
     EngineReady,
     EngineRequest,
     ErrorReply,
     GenerateRequest,
     GetEngineInfo,
+    GetEngineStats,
     Ping,
     Pong,
     PositionLogprobs,
@@ -61,6 +66,8 @@ from common.protocol import (
     StepOutputs,
     StopProfile,
     Submit,
+    Tokenize,
+    TokenizeResult,
     decode,
     encode,
     i32,
@@ -68,6 +75,7 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 from common.units import count
 from frontend.outputs import SampleState, TokenTexts, prompt_logprobs_of, sampled_logprobs
+from frontend.stats import EngineStatsCollector
 
 log = logging.getLogger("deltaserve.frontend")
 # While validating a long submission, clients hear a Pong this often (seconds), so that their silence
@@ -100,6 +108,7 @@ def longest_token_chars(tokenizer: Any) -> int:
 def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
     """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (with the request's
     `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`), or given ids.
+    `req.add_special_tokens` (None: True for a prompt, False for messages, whose template writes its own).
 
     Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
     refuses the messages (or its options contradict each other), or a text is longer than `max_chars`
@@ -111,7 +120,7 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     if req.prompt is not None:
-        text, special = req.prompt, True
+        text, special = req.prompt, req.add_special_tokens is not False
     else:
         messages = req.messages
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -131,7 +140,7 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
             why = f"the chat template refused these messages: {type(exc).__name__}: {exc}"
             raise ValueError(shorten(why)) from None
-        special = False
+        special = bool(req.add_special_tokens)
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(f"the prompt has {len(text)} characters: more than max_model_len tokens for sure "
                          f"(at most {max_chars} characters can fit)")
@@ -150,10 +159,13 @@ class RequestState:
     prompt_token_ids: list[int] = field(default_factory=list)
     stream: bool = False
     first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
     num_unfinished: int = 1
+    queue_s: float | None = None  # sample 0's time from arrival to its first scheduling, once it finished
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # position 0 is None
     prompt_logprobs_sent: bool = False
 
@@ -206,6 +218,7 @@ class FrontendProcess:
         self.profiling = FrontendProfiling(config, run_id_of(endpoints.run_dir), self._reply,
                                            lambda msg: ipc.send(self.to_scheduler, msg))
         self.phases = self.profiling.phases
+        self.stats = EngineStatsCollector(config.max_model_len)
 
     def start(self) -> None:
         msg = ipc.recv(self.from_scheduler)
@@ -216,7 +229,7 @@ class FrontendProcess:
         ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
-        return {"model": self.config.model, "max_model_len": self.config.max_model_len,
+        return {"model": self.config.served_model_names[0], "max_model_len": self.config.max_model_len,
                 "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
                 "max_waiting_requests": self.config.max_waiting_requests, **self.ready_info}
@@ -307,7 +320,9 @@ class FrontendProcess:
                 for sample in st.samples:
                     sample.finish("error")
                 st.error = why
-                per_client[st.client].append(self._output(st, now, finished=True))
+                out = self._output(st, now, finished=True)
+                out.error_type = ERROR_ENGINE_DOWN
+                per_client[st.client].append(out)
             self.requests.clear()
             self.samples.clear()
             self.by_client.clear()
@@ -338,7 +353,14 @@ class FrontendProcess:
         elif isinstance(msg, GetEngineInfo):
             info = self.engine_info_dict()
             self._reply(client, EngineInfo(info.pop("model"), info.pop("max_model_len"), info.pop("num_kv_blocks"),
-                                           info.pop("block_size"), info.pop("vocab_size"), info))
+                                           info.pop("block_size"), info.pop("vocab_size"), info,
+                                           list(self.config.served_model_names)))
+        elif isinstance(msg, GetEngineStats):
+            self._reply(client, self.stats.snapshot(msg.reply_id))
+        elif isinstance(msg, Tokenize):
+            self._reply(client, self._tokenize(msg))
+        elif isinstance(msg, Detokenize):
+            self._reply(client, self._detokenize(msg))
         elif isinstance(msg, Ping):
             self._reply(client, Pong(msg.nonce))
         elif isinstance(msg, (StartProfile, StopProfile)):
@@ -377,7 +399,9 @@ class FrontendProcess:
             except ValueError as exc:
                 rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
                                               error=shorten(str(exc)),
-                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0)))
+                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0),
+                                              error_type=ERROR_INVALID_REQUEST))
+                self.stats.num_finished["error"] += 1
                 continue
             self._register(state)
             accepted.append(engine_req)
@@ -389,7 +413,9 @@ class FrontendProcess:
                 del self.by_client[(client, state.request_id)]
                 for i in range(len(state.samples)):
                     del self.samples[state.seq_id + i]
-                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why))
+                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why,
+                                              error_type=ERROR_INVALID_REQUEST))
+                self.stats.num_finished["error"] += 1
             accepted = []
         if accepted:
             self.not_started.update(r.seq_id for r in accepted)
@@ -413,6 +439,31 @@ class FrontendProcess:
         """The seq ids of the samples of request `base` that still run."""
         st = self.requests.get(base)
         return [] if st is None else [base + s.index for s in st.samples if not s.finished]
+
+    def _tokenize(self, msg: Tokenize) -> TokenizeResult:
+        """The token ids `msg.request` would run with, or why it cannot be tokenized or run (too long, ...)."""
+        try:
+            ids = encode_prompt(self.tokenizer, msg.request, self.max_prompt_chars)
+            arr = np.asarray(ids, dtype=np.int64)
+        except (ValueError, OverflowError) as exc:
+            return TokenizeResult(msg.reply_id, error=str(exc) if isinstance(exc, ValueError)
+                                  else "a token id does not fit in 64 bits: out of the vocabulary")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.config.vocab_size):
+            return TokenizeResult(msg.reply_id, error=f"token ids must be in [0, {self.config.vocab_size}); got min "
+                                                      f"{int(arr.min())}, max {int(arr.max())}")
+        return TokenizeResult(msg.reply_id, ids)
+
+    def _detokenize(self, msg: Detokenize) -> DetokenizeResult:
+        ids = msg.token_ids
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            return DetokenizeResult(msg.reply_id, error=f"token ids must be in [0, {self.config.vocab_size}); "
+                                                        f"got {bad}")
+        try:
+            text = self.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens)
+        except Exception as exc:  # the Rust tokenizer raises its own types (an id it has no piece for)
+            return DetokenizeResult(msg.reply_id, error=f"cannot decode these token ids: {exc}")
+        return DetokenizeResult(msg.reply_id, text)
 
     def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
@@ -487,6 +538,10 @@ class FrontendProcess:
         now = time.time()
         touched: dict[int, RequestState] = {}
         samples = self.samples
+        stats = self.stats
+        if msg.stats is not None:
+            stats.scheduler = msg.stats
+        observe_tpot = stats.tpot.observe
         stopping = {fin.seq_id for fin in msg.finished if fin.reason == "stop"}  # by their last token, in this step
         logprobs = sampled_logprobs(msg.logprobs, msg.token_ids, self.token_texts)
         stopped_by_text: list[int] = []
@@ -496,8 +551,14 @@ class FrontendProcess:
                 continue  # finished already (a stop string, an abort): a late token
             st, sample = entry
             if not st.first_token_time:
-                st.first_token_time = now
+                st.first_token_time = st.last_token_time = now
                 self.not_started.discard(st.seq_id)
+                stats.first_token(st.num_prompt_tokens, now - st.arrival_time)
+            elif seq_id == st.seq_id:  # time per output token: along sample 0 (the others step with it)
+                observe_tpot(now - st.last_token_time)
+                st.last_token_time = now
+            st.num_output_tokens += 1
+            stats.num_generation_tokens += 1
             if sample.add(token, logprobs.get(i), stop_token=seq_id in stopping):
                 del samples[seq_id]  # a stop string: the scheduler aborts it, and its later news is dropped
                 st.num_unfinished -= 1
@@ -523,6 +584,8 @@ class FrontendProcess:
             if fin.reason == "error":
                 log.warning("request %s failed: %s", st.request_id, fin.error)
                 st.error = st.error or fin.error
+            if fin.seq_id == st.seq_id and fin.queue_time_s >= 0:
+                st.queue_s = fin.queue_time_s
             touched[st.seq_id] = st
         if stopped_by_text:
             ipc.send(self.to_scheduler, AbortSeqs(stopped_by_text))
@@ -532,7 +595,15 @@ class FrontendProcess:
                 del self.requests[st.seq_id]
                 self.by_client.pop((st.client, st.request_id), None)
                 self.not_started.discard(st.seq_id)
-                per_client[st.client].append(self._output(st, now, finished=True))
+                out = self._output(st, now, finished=True)
+                if st.error is not None:  # the scheduler refuses only requests that can never run
+                    out.error_type = ERROR_INVALID_REQUEST
+                if st.queue_s is not None:
+                    out.metrics["queue_s"] = st.queue_s
+                stats.finished(out.finish_reason or "abort", st.num_prompt_tokens, st.num_output_tokens,
+                               now - st.arrival_time,
+                               (st.first_token_time - st.arrival_time) if st.first_token_time else None, st.queue_s)
+                per_client[st.client].append(out)
             elif st.stream and any(s.has_news() for s in st.samples):
                 per_client[st.client].append(self._output(st, now, finished=False))
         self.phases.begin("send to clients", msg.step_id)

@@ -186,7 +186,7 @@ class SchedulerProcess:
                     sched.check_invariants()
             finished = sched.take_finished()
             if finished:
-                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
+                self._send_outputs(StepOutputs(step_id=-1, finished=finished))
             self._check_progress()
             if time.monotonic() - self.last_sent > HEARTBEAT_S:  # idle: tell workers started elsewhere we live
                 for sock in self.to_workers:
@@ -228,11 +228,11 @@ class SchedulerProcess:
             for req in msg.requests:
                 errors.extend(sched.add_request(req))
             if errors:
-                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=errors))
+                self._send_outputs(StepOutputs(step_id=-1, finished=errors))
         elif isinstance(msg, AbortSeqs):
             finished = sched.abort(msg.seq_ids)
             if finished:
-                ipc.send(self.to_frontend, StepOutputs(step_id=-1, finished=finished))
+                self._send_outputs(StepOutputs(step_id=-1, finished=finished))
         elif isinstance(msg, Shutdown):
             return True  # close() says goodbye to the workers
         elif isinstance(msg, Ping):  # the frontend's heartbeat
@@ -254,7 +254,7 @@ class SchedulerProcess:
         self.phases.begin("process result", msg.step_id)
         self.watchdog.finished(msg.step_id, time.monotonic())
         outputs = sched.process_result(msg)
-        ipc.send(self.to_frontend, outputs)
+        self._send_outputs(outputs)
         self.phases.end()
         self.profiling.after_result(msg.step_id)
         if self.check_invariants:
@@ -265,6 +265,12 @@ class SchedulerProcess:
             log.debug("step %d done: %d tokens out, %d finished, round trip %.2f ms, result %.3f ms | worker ms: %s",
                       msg.step_id, len(outputs.token_ids), len(outputs.finished), (t0 - started) * 1e3,
                       (time.perf_counter() - t0) * 1e3, worker)
+
+    def _send_outputs(self, outputs: StepOutputs) -> None:
+        """Send `outputs` to the frontend with the scheduler's state as it is now (for its metrics)."""
+        assert self.scheduler is not None
+        outputs.stats = self.scheduler.stats()
+        ipc.send(self.to_frontend, outputs)
 
     def _send_plan(self, plan: StepPlan, t0: float) -> None:
         sched = self.scheduler

@@ -25,6 +25,7 @@ Continuing batching with a token budget, in the style of vLLM's v1 scheduler:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from common.protocol import (
     NewBlocks,
     NewRequest,
     ResumedRequest,
+    SchedulerStats,
     StepOutputs,
     StepPlan,
     StepResult,
@@ -79,6 +81,8 @@ class Scheduler:
         self.finished_for_workers: list[int] = []  # ended since the last plan; workers still hold them
         self.unreported: list[FinishedSeq] = []  # ended while planning (cache too small); see take_finished
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admission, since start
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: EngineRequest) -> list[FinishedSeq]:
@@ -118,6 +122,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.seqs)
+
+    def stats(self) -> SchedulerStats:
+        """The counts a metrics endpoint shows (`SchedulerStats` documents each)."""
+        bm = self.block_manager
+        return SchedulerStats(len(self.running), len(self.waiting), bm.num_blocks, bm.num_free_blocks,
+                              self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def can_schedule(self) -> bool:
         return len(self.in_flight) < self.config.max_steps_in_flight
@@ -199,8 +209,11 @@ class Scheduler:
                 self.waiting.popleft()
                 bm.allocate(seq, cached, num_computed + n)
                 seq.num_computed_tokens = num_computed
-                if seq.num_cached_tokens < 0:
+                if seq.num_cached_tokens < 0:  # first admission
                     seq.num_cached_tokens = num_computed
+                    seq.queue_time_s = max(0.0, time.time() - seq.arrival_time)
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += num_computed
                 seq.status = SeqStatus.RUNNING
                 running.append(seq)
                 samples = self._advance(seq, n)
@@ -303,10 +316,11 @@ class Scheduler:
         if seq.known_to_workers:
             self.finished_for_workers.append(seq.seq_id)
         del self.seqs[seq.seq_id]
-        finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions))
+        finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions,
+                                    seq.queue_time_s))
         while seq.num_unforked:  # samples never forked (it ended before its prompt did) end with it
             fork = seq.make_fork()
-            finished.append(FinishedSeq(fork.seq_id, reason, 0, error))
+            finished.append(FinishedSeq(fork.seq_id, reason, 0, error, 0, seq.queue_time_s))
 
     # ------------------------------------------------------------------ results
     def process_result(self, result: StepResult) -> StepOutputs:

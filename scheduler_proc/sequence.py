@@ -37,7 +37,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "temperature", "max_tokens", "seed", "stop_token_ids",
         "arrival_time", "status", "block_table", "block_hashes", "num_hashed_blocks", "num_computed_tokens",
         "num_pending_tokens", "num_cached_tokens", "known_to_workers", "num_preemptions", "first_token_sent",
-        "options", "min_tokens", "num_unforked", "next_fork_index", "use_prefix_cache",
+        "options", "min_tokens", "num_unforked", "next_fork_index", "use_prefix_cache", "queue_time_s",
     )
 
     def __init__(self, req: EngineRequest) -> None:
@@ -65,6 +65,7 @@ class Sequence:
         self.known_to_workers = False  # workers hold its state (from its first plan until finished)
         self.num_preemptions = 0
         self.first_token_sent = False
+        self.queue_time_s = -1.0  # seconds from arrival_time (the frontend's clock) to first admission; -1 before
 
     def make_fork(self) -> Sequence:
         """The next sample of this request: its prompt, parameters and seed stream (`sample_seed`), with no

@@ -27,6 +27,19 @@ for flag in "" --filtered; do
       2>&1 | tee "$out/profile-step${flag:+-filtered}.log"
 done
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
+# Over HTTP (benchmarks/serving.py starts the server itself): the reference workload as 256 concurrent
+# requests, with one and two HTTP server processes; a rate sweep; batch 1 over HTTP and offline.
+for count in 1 2; do
+  timeout 400 python3 benchmarks/serving.py --launch "$ckpt" --launch-arg=--api-server-count=$count \
+      --dataset reference --client-processes 4 --json "$out/serving-reference-$count.json" 2>&1 \
+      | tee "$out/serving-reference-$count.log"
+done
+timeout 900 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 1000 --input-len 512 --output-len 128 \
+    --request-rate 4 16 64 --client-processes 4 --json "$out/serving-sweep.json" 2>&1 | tee "$out/serving-sweep.log"
+timeout 300 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
+    --max-concurrency 1 --json "$out/serving-batch1.json" 2>&1 | tee "$out/serving-batch1.log"
+timeout 300 python3 benchmarks/serving.py --offline "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
+    --max-concurrency 1 --json "$out/offline-batch1.json" 2>&1 | tee "$out/offline-batch1.log"
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   timeout 200 python3 benchmarks/allreduce.py 2>&1 | tee "$out/allreduce.log"

@@ -65,6 +65,8 @@ def example_value(hint: Any, salt: int) -> Any:
             return {salt: 3 * salt, 2**40: 0}
         if value in (float, int | float):
             return {"ttft_s": 0.125 * salt, "e2e_s": 2.5}
+        if value is int:
+            return {"stop": salt, "length": 2 * salt}
         return {"model": "tiny", "nested": {"ids": [1, 2, 3], "ok": True, "raw": b"\x00\xff", "none": None}}
     if dataclasses.is_dataclass(hint):
         return example_message(hint, salt)

@@ -1,0 +1,3 @@
+from frontend.openai.server import main
+
+main()

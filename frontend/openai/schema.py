@@ -1,0 +1,221 @@
+"""The OpenAI API's request and response bodies, as pydantic models (FastAPI shows them at /docs).
+
+Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), with vLLM's extra
+sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...). Requests refuse
+unknown fields (a typo must not be ignored, as vLLM does) and NaN or infinite numbers. Which declared
+fields the engine runs is decided in `frontend/openai/params.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_LIMIT = 2**63  # token ids, counts and seeds travel as 64-bit integers
+
+TokenId = Annotated[int, Field(ge=0, lt=INT64_LIMIT)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class SamplingFields(RequestModel):
+    """The sampling fields shared by completions and chat completions."""
+
+    model: str | None = None  # None: the served model
+    frequency_penalty: Penalty | None = 0.0
+    presence_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = 1
+    seed: Annotated[int, Field(ge=0, lt=INT64_LIMIT)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None  # None: 1.0; 0 = greedy
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None  # None: 1.0
+    user: str | None = None  # accepted and logged nowhere
+    # vLLM's extra sampling fields
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, lt=INT64_LIMIT)] = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a text, a list of texts, token ids, or a list of token-id lists;
+    each prompt is one choice (index in order)."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = 16
+    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens around each text prompt
+
+
+class TextContent(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContent]
+    name: str | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions: `messages` rendered by the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None  # OpenAI's older name
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's extra chat fields
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    echo: bool = False
+
+
+class TokenizeRequest(RequestModel):
+    """POST /tokenize (vLLM's): the prompt's token ids, as a completion (`prompt`) or a chat (`messages`)
+    request would run them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------------- responses
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class Usage(ResponseModel):
+    """Token counts; `ttft_s` and `tpot_s` (seconds, as the engine measured them) are our extras, for
+    debugging: with several choices, the slowest first token and the mean time per output token."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "deltaserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str

@@ -1,0 +1,139 @@
+"""The HTTP server process (`python -m frontend.openai`, started by the launcher as http-0, http-1, ...).
+
+One uvicorn server (FastAPI app of `routes.py`) per process, on a listening socket the launcher opened
+before loading the model and handed down (`--http-fd`): several processes (`--api-server-count`) accept
+on the same socket, and the kernel spreads connections over them. Each talks to the frontend as one
+ZeroMQ client (`AsyncEngineClient`).
+
+Start-up: the server answers at once (503 until the engine serves); once the frontend has answered
+`GetEngineInfo` it reports ready to the launcher. Stop: SIGTERM (from the launcher) makes new requests
+503, gives running ones a second to receive the engine's shutdown error (or this process's, if the
+frontend is gone), lets uvicorn finish open responses for up to 3 s, and exits with 143 like the other
+processes. Ctrl-C belongs to the launcher, which stops every process in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+import zmq
+
+from common import envs, ipc
+from common.config import EngineConfig
+from common.proc import engine_process_main
+from common.protocol import ProcessReady
+from frontend.async_client import AsyncEngineClient
+from frontend.openai.routes import ServerState, build_app, version
+
+log = logging.getLogger("deltaserve.http")
+GRACEFUL_SHUTDOWN_S = 3.0
+FAIL_OPEN_REQUESTS_AFTER_S = 1.0
+LISTEN_BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own SIGINT/SIGTERM handlers: this process takes SIGTERM itself and
+    leaves Ctrl-C to the launcher."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HTTPServerProcess:
+    def __init__(self, config: EngineConfig, endpoints: ipc.Endpoints, args: argparse.Namespace) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.name = f"http-{args.index}"
+        self.host, self.port, self.fd = args.http_host, args.http_port, args.http_fd
+        self.control = endpoints.make_socket(zmq.Context.instance(), zmq.PUSH, endpoints.control, bind=False)
+        # The client port is CURVE-protected when it is an internal tcp socket (`--transport tcp` without
+        # a served --port): this process then connects with its keys, like every internal peer.
+        self.client_curve = endpoints.curve if args.client_curve else None
+        self.stopped_by: int | None = None
+
+    def start(self) -> None:
+        pass  # the server answers (503) before the engine is ready: everything happens in serve()
+
+    def serve(self) -> None:
+        try:
+            import uvloop
+
+            loop_factory: Any = uvloop.new_event_loop
+        except ImportError:  # optional: the default loop works, a little slower
+            loop_factory = None
+        if hasattr(asyncio, "Runner"):  # Python 3.11+
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                runner.run(self._serve())
+        else:
+            asyncio.run(self._serve())
+        if self.stopped_by is not None:
+            raise SystemExit(128 + self.stopped_by)
+
+    def _listening_socket(self) -> socket.socket:
+        sock = socket.socket(fileno=self.fd) if self.fd >= 0 else ipc.hold_port(self.host, self.port)
+        sock.listen(LISTEN_BACKLOG)  # the launcher's 128 would drop connections of a burst of clients
+        return sock
+
+    async def _serve(self) -> None:
+        client = AsyncEngineClient(self.endpoints.client, curve=self.client_curve)
+        await client.start()
+        state = ServerState(client, api_key=envs.api_key(), max_body_bytes=envs.http_max_body_bytes(),
+                            version=version())
+        level = self.config.log_level.lower()
+        server = _Server(uvicorn.Config(build_app(state), log_level=level, access_log=level == "debug",
+                                        lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                        server_header=False))
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, client, server)
+        ready = asyncio.create_task(self._report_ready(client))
+        try:
+            await server.serve(sockets=[self._listening_socket()])
+        finally:
+            ready.cancel()
+            await client.close()
+
+    async def _report_ready(self, client: AsyncEngineClient) -> None:
+        info = await client.engine_info()
+        ipc.send(self.control, ProcessReady(self.name, {"url": f"http://{self.host}:{self.port}",
+                                                         "model": info.model}))
+        log.info("%s serving %s on http://%s:%d", self.name, info.model, self.host, self.port)
+
+    def _on_sigterm(self, client: AsyncEngineClient, server: uvicorn.Server) -> None:
+        if self.stopped_by is not None:
+            return
+        self.stopped_by = signal.SIGTERM
+        reason = self.endpoints.read_stop_reason()
+        why = f"the engine is shutting down: {reason}" if reason else "the engine is shutting down"
+        if client.down_reason is None:
+            client.down_reason = why
+        # The frontend fails every open request when it stops; if it is gone already, this process does.
+        asyncio.get_running_loop().call_later(FAIL_OPEN_REQUESTS_AFTER_S, client.fail_all, why)
+        server.should_exit = True
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--index", type=int, default=0, help="which of the HTTP server processes this is")
+    parser.add_argument("--http-host", default="127.0.0.1", help="the address served (for messages)")
+    parser.add_argument("--http-port", type=int, default=8000, help="the port served")
+    parser.add_argument("--http-fd", type=int, default=-1,
+                        help="a listening socket inherited from the launcher (-1: bind --http-host:--http-port)")
+    parser.add_argument("--client-curve", action="store_true",
+                        help="connect to the frontend's client socket with this process's CURVE keys "
+                             "(DELTASERVE_CURVE_KEYS): it is an internal tcp socket")
+
+
+def main(argv: list[str] | None = None) -> None:
+    engine_process_main("http", "frontend.openai", "deltaserve OpenAI-compatible HTTP server (started by launch.py)",
+                        HTTPServerProcess, argv, add_arguments=_add_arguments, name_of=lambda a: f"http-{a.index}")
