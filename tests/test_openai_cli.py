@@ -38,7 +38,8 @@ def test_a_busy_http_port_is_refused_up_front_naming_the_flag(tmp_path: Path) ->
     (["--http-port", "{p}", "--api-server-count", "0"], "--api-server-count must be in 1..64, got 0"),
     (["--serve", "--api-server-count", "2"], "--api-server-count needs --http-port"),
     (["--http-port", "{p}", "--api-key", " "], "--api-key must not be empty"),
-    (["--http-port", "{p}", "--served-model-name", ""], "served_model_name must be a non-empty name"),
+    (["--http-port", "{p}", "--served-model-name", ""], "--served-model-name must be a non-empty name"),
+    (["--http-port", "{p}", "--client-key", "k.key_secret"], "--client-key secures the ZeroMQ client port"),
 ])
 def test_unusable_http_flags_are_refused_naming_them(tmp_path: Path, flags: list[str], message: str) -> None:
     port = str(free_port())

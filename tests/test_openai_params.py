@@ -125,7 +125,7 @@ def test_scheduler_stats_count_running_waiting_blocks_and_prefix_hits() -> None:
     sched = Scheduler(SchedulerConfig(num_kv_blocks=8, block_size=4, max_model_len=64, max_num_seqs=1))
     prompt = list(range(10, 22))  # 3 full blocks
     for seq_id in (0, 1):
-        assert sched.add_request(EngineRequest(seq_id, i32(prompt), 0.0, 4, None, [], 0.0)) is None
+        assert sched.add_request(EngineRequest(seq_id, i32(prompt), 0.0, 4, None, [], 0.0)) == []
     sched.schedule()
     s = sched.stats()
     assert (s.num_running, s.num_waiting, s.num_kv_blocks, s.num_free_blocks) == (1, 1, 8, 5)
