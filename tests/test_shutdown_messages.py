@@ -98,7 +98,7 @@ def test_a_firing_step_watchdog_is_reported_once_as_its_message_without_a_traceb
     assert llm.generate(["warm"], GREEDY8, use_tqdm=False)[0]["token_ids"]
     os.kill(llm.engine.procs["worker-tp0"].pid, signal.SIGSTOP)
     with pytest.raises(EngineDeadError, match=r"scheduler: step \d+ has not finished after \d+ s "
-                                              r"\(DELTASERVE_STEP_TIMEOUT_S=2\)"):
+                                              r"\(its bound is 2 s: DELTASERVE_STEP_TIMEOUT_S=2"):
         llm.generate(["still there?"], GREEDY8, use_tqdm=False)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "[scheduler] fatal error" not in err, err
