@@ -19,7 +19,7 @@ from benchmarks.gpu_correctness import check_logprobs_close, runner_greedy, top_
 from common.config import EngineConfig
 from common.protocol import NewRequest, StepPlan, i32
 from deltaserve import SamplingParams
-from tests.conftest import make_tiny_checkpoint, synthetic_prompt
+from tests.conftest import synthetic_prompt
 from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, prompt_ids
 from workers.kv_cache import CALIBRATION_LEN, FP8_KV_DTYPE, kv_cache_torch_dtype, quantize_fp8, scale_for
 from workers.model_runner import ModelRunner
@@ -28,24 +28,16 @@ NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_trained_scale(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
-    """A tiny Qwen3 with weights of a trained model's scale (init range 0.02, like Qwen3's config). The
-    conftest checkpoints' init range of 0.5 makes attention scores of order 10 to 50, where any rounding
-    of the keys (e4m3 moves them by up to 6%) reorders the softmax: a model no real checkpoint resembles."""
-    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3-init002"), qwen3_tokenizer_dir,
-                                initializer_range=0.02, hidden_size=128, head_dim=32)
-
-
-def runner(model: Path, kv_cache_dtype: str, max_model_len: int = 1024) -> ModelRunner:
-    cfg = EngineConfig(model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=4,
-                       kv_cache_dtype=kv_cache_dtype).resolve()
+def runner(model: Path, kv_cache_dtype: str, max_model_len: int = 1024, device: str = "cpu",
+           dtype: str = "auto") -> ModelRunner:
+    cfg = EngineConfig(model=str(model), device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=4,
+                       kv_cache_dtype=kv_cache_dtype, enforce_eager=True).resolve()
     return ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
 
 
-def engine_scales(model: Path) -> list[tuple[float, float]]:
+def engine_scales(model: Path, device: str = "cpu", dtype: str = "auto") -> list[tuple[float, float]]:
     """The (k_scale, v_scale) of every layer that a worker of this model calibrates."""
-    return [(layer.k_scale, layer.v_scale) for layer in runner(model, "fp8").attn_layers]
+    return [(layer.k_scale, layer.v_scale) for layer in runner(model, "fp8", device=device, dtype=dtype).attn_layers]
 
 
 def hf_greedy_with_e4m3_kv(model: Path, prompts: list[list[int]], scales: list[tuple[float, float]],
