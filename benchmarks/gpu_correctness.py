@@ -70,21 +70,21 @@ DEMO_PROMPTS = [
 ]
 
 
-def make_prompts(seed: int = 0) -> list[list[int]]:
+def make_prompts(seed: int = 0, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
     """32 prompts, lengths from a few tokens to several blocks, ids in 0..10000."""
     rng = random.Random(seed)
     lengths = [rng.choice([rng.randint(3, 40), rng.randint(40, 300), rng.randint(300, 1100)])
-               for _ in range(NUM_PROMPTS)]
+               for _ in range(num_prompts)]
     return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
 
 
-def chat_prompts(model_dir: str) -> list[list[int]]:
+def chat_prompts(model_dir: str, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
     """`DEMO_PROMPTS` as user messages rendered by the model's chat template, tokenized as the frontend does."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in DEMO_PROMPTS]
+                                           tokenize=False) for p in DEMO_PROMPTS[:num_prompts]]
     return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
@@ -214,16 +214,19 @@ def compare(name: str, ours: dict | GreedyRun, ref: dict) -> dict:
             "divergences": [(i, c["position"], c.get("ranks")) for i, c in enumerate(checks) if not c["identical"]]}
 
 
-def our_runs(backends: list[str]) -> list[tuple[str, str, bool, str]]:
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def our_runs(backends: list[str], dtype: str = "bfloat16") -> list[tuple[str, str, bool, str]]:
     """(name, backend, eager, kv_cache_dtype) of every run: each backend with CUDA graphs on and off
-    (torch: eager only), with a bf16 KV cache and, where the backend reads one, an fp8 KV cache."""
+    (torch: eager only), with a KV cache in the model's dtype and, where the backend reads one, an fp8 one."""
     runs = []
     for backend in backends:
         for kv in ("auto", "fp8") if backend != "flash-attn" else ("auto",):
             modes = [("eager", True)] if backend == "torch" else [("CUDA graphs", False), ("eager", True)]
             for mode, eager in modes:
-                runs.append((f"deltaserve {backend}, {mode}, KV {'bf16' if kv == 'auto' else 'fp8'}", backend, eager,
-                             kv))
+                kv_name = SHORT_DTYPE.get(dtype, dtype) if kv == "auto" else "fp8"
+                runs.append((f"deltaserve {backend}, {mode}, KV {kv_name}", backend, eager, kv))
     return runs
 
 
@@ -241,19 +244,19 @@ def print_table(title: str, rows: list[dict], num_tokens: int) -> None:
     print(f"(identical: all {num_tokens} greedy tokens equal; rule ok: passes check_logprobs_close)")
 
 
-def random_weights_gate(model: str, backends: list[str], device: str) -> list[dict]:
-    prompts = make_prompts()
+def random_weights_gate(model: str, backends: list[str], device: str, dtype: str, num_prompts: int) -> list[dict]:
+    prompts = make_prompts(num_prompts=num_prompts)
     print(f"gate 1: {model}, {len(prompts)} prompts, lengths {sorted(len(p) for p in prompts)}", flush=True)
     t0 = time.perf_counter()
-    ref = hf_reference(model, prompts, torch.bfloat16, "sdpa", device)
-    rows = [compare("transformers bf16, eager attention (floor)",
-                    hf_reference(model, prompts, torch.bfloat16, "eager", device), ref),
+    ref = hf_reference(model, prompts, getattr(torch, dtype), "sdpa", device)
+    rows = [compare(f"transformers {dtype}, eager attention (floor)",
+                    hf_reference(model, prompts, getattr(torch, dtype), "eager", device), ref),
             compare("transformers fp32", hf_reference(model, prompts, torch.float32, "sdpa", device), ref)]
     print(f"references done in {time.perf_counter() - t0:.0f} s", flush=True)
-    for name, backend, eager, kv in our_runs(backends):
+    for name, backend, eager, kv in our_runs(backends, dtype):
         t0 = time.perf_counter()
         try:
-            run = runner_greedy(model, prompts, backend, eager, device, "bfloat16", kv, NEW_TOKENS)
+            run = runner_greedy(model, prompts, backend, eager, device, dtype, kv, NEW_TOKENS)
         except Exception as exc:  # a backend that cannot run here (e.g. no FlashAttention) is reported, not fatal
             rows.append({"run": name, "error": repr(exc), "pass": None})
             print(f"{name}: cannot run: {exc!r}", flush=True)
@@ -263,22 +266,22 @@ def random_weights_gate(model: str, backends: list[str], device: str) -> list[di
         row["pass"] = row["rule_ok"] == row["prompts"] and row["first_step_rel_err_max"] <= rtol
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print_table(f"gate 1, random weights: against transformers bf16 (SDPA), {NEW_TOKENS} greedy tokens; first-step "
+    print_table(f"gate 1, random weights: against transformers {dtype} (SDPA), {NEW_TOKENS} greedy tokens; first-step "
                 f"logits within {RTOL_FIRST_STEP:g} (fp8 KV: {RTOL_FIRST_STEP_FP8:g})", rows, NEW_TOKENS)
     return rows
 
 
-def demo_model_gate(model: str, backends: list[str], device: str) -> list[dict]:
-    prompts = chat_prompts(model)
+def demo_model_gate(model: str, backends: list[str], device: str, dtype: str, num_prompts: int) -> list[dict]:
+    prompts = chat_prompts(model, num_prompts)
     print(f"\ngate 2: {model}, {len(prompts)} chat prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
           "tokens", flush=True)
     ref = hf_reference(model, prompts, torch.float32, "sdpa", device, DEMO_NEW_TOKENS)
-    floor = compare("transformers bf16", hf_reference(model, prompts, torch.bfloat16, "sdpa", device,
-                                                      DEMO_NEW_TOKENS), ref)
+    floor = compare(f"transformers {dtype}", hf_reference(model, prompts, getattr(torch, dtype), "sdpa", device,
+                                                          DEMO_NEW_TOKENS), ref)
     rows = [floor]
-    for name, backend, eager, kv in our_runs(backends):
+    for name, backend, eager, kv in our_runs(backends, dtype):
         try:
-            run = runner_greedy(model, prompts, backend, eager, device, "bfloat16", kv, DEMO_NEW_TOKENS)
+            run = runner_greedy(model, prompts, backend, eager, device, dtype, kv, DEMO_NEW_TOKENS)
         except Exception as exc:
             rows.append({"run": name, "error": repr(exc), "pass": None})
             print(f"{name}: cannot run: {exc!r}", flush=True)
@@ -290,7 +293,7 @@ def demo_model_gate(model: str, backends: list[str], device: str) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print_table(f"gate 2, trained weights: against transformers fp32, {DEMO_NEW_TOKENS} greedy tokens; identical on "
-                f">= {floor['identical']} prompts (transformers bf16's count; fp8 KV: >= "
+                f">= {floor['identical']} prompts (transformers {dtype}'s count; fp8 KV: >= "
                 f"{int(FP8_IDENTICAL_FRACTION * floor['identical'])})", rows, DEMO_NEW_TOKENS)
     return rows
 
@@ -314,6 +317,8 @@ def main() -> int:
     ap.add_argument("--demo-model", default=None, help="the converted demo model folder (gate 2)")
     ap.add_argument("--backends", nargs="+", default=["triton", "flash-attn", "torch"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", help="of our runs and of the low-precision transformers runs")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="fewer for a quick check (at most 32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not (args.model or args.demo_gguf or args.demo_model):
@@ -321,10 +326,11 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         if args.model:
-            results["random_weights"] = random_weights_gate(args.model, args.backends, args.device)
+            results["random_weights"] = random_weights_gate(args.model, args.backends, args.device, args.dtype,
+                                                            args.num_prompts)
         demo = demo_model_dir(args, workdir)
         if demo:
-            results["demo_model"] = demo_model_gate(demo, args.backends, args.device)
+            results["demo_model"] = demo_model_gate(demo, args.backends, args.device, args.dtype, args.num_prompts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -14,7 +14,10 @@ After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones re
 - prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
   token, and over the device time of the prefill steps (GPU).
 
-    python benchmarks/latency.py --model DIR --input-len 100 --output-len 512 --batch-size 1
+Several batch sizes (`--batch-size 1 8 32`) are measured one after another on one engine; `--json` writes
+a list with one result per batch size.
+
+    python benchmarks/latency.py --model DIR --input-len 100 --output-len 512 --batch-size 1 8 32
     python benchmarks/latency.py --model DIR --input-len 1024 --output-len 1 --batch-size 32 \\
         --max-num-batched-tokens 32768                                       # prefill
 """
@@ -53,49 +56,38 @@ def read_steps(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Start the engine, run the iterations, return every measured number (seconds and tokens/s)."""
-    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-latency-steps-")
-    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
-    from deltaserve import LLM, SamplingParams
+def measure(llm, args: argparse.Namespace, batch_size: int, rng: np.random.Generator) -> dict:
+    """Warm-up and measured iterations at one batch size on a running engine: the raw timings."""
+    from deltaserve import SamplingParams
 
-    engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 256),
-                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                       kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device)
-    if args.kv_cache_memory_gb is not None:
-        engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
-    llm = LLM(args.model, **engine_args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    rng = np.random.default_rng(args.seed)
-    windows, latencies, ttfts, tpots, cached = [], [], [], [], 0
-    try:
-        for i in range(args.num_iters_warmup + args.num_iters):
-            prompts = rng.integers(0, 10000, size=(args.batch_size, args.input_len)).tolist()
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            t1 = time.perf_counter()
-            errors = [o["error"] for o in outputs if o["error"]]
-            if errors:
-                raise RuntimeError(f"a request failed: {errors[0]}")
-            assert all(len(o["token_ids"]) == args.output_len for o in outputs), "ignore_eos gives max_tokens tokens"
-            if i < args.num_iters_warmup:
-                continue
-            windows.append((t0, t1))
-            latencies.append(t1 - t0)
-            cached += sum(o["num_cached_tokens"] for o in outputs)
-            for o in outputs:
-                ttft, e2e = o["metrics"]["ttft_s"], o["metrics"]["e2e_s"]
-                ttfts.append(ttft)
-                if args.output_len > 1:
-                    tpots.append((e2e - ttft) / (args.output_len - 1))
-        info = dict(llm.info)
-    finally:
-        llm.shutdown()
+    raw: dict = {"windows": [], "latencies": [], "ttfts": [], "tpots": [], "cached": 0}
+    for i in range(args.num_iters_warmup + args.num_iters):
+        prompts = rng.integers(0, 10000, size=(batch_size, args.input_len)).tolist()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.perf_counter()
+        errors = [o["error"] for o in outputs if o["error"]]
+        if errors:
+            raise RuntimeError(f"a request failed: {errors[0]}")
+        assert all(len(o["token_ids"]) == args.output_len for o in outputs), "ignore_eos gives max_tokens tokens"
+        if i < args.num_iters_warmup:
+            continue
+        raw["windows"].append((t0, t1))
+        raw["latencies"].append(t1 - t0)
+        raw["cached"] += sum(o["num_cached_tokens"] for o in outputs)
+        for o in outputs:
+            ttft, e2e = o["metrics"]["ttft_s"], o["metrics"]["e2e_s"]
+            raw["ttfts"].append(ttft)
+            if args.output_len > 1:
+                raw["tpots"].append((e2e - ttft) / (args.output_len - 1))
+    return raw
 
-    steps = read_steps(os.path.join(step_dir, "worker-tp0.jsonl"))
+
+def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size: int, info: dict) -> dict:
+    """The reported numbers of one batch size, from its raw timings and the worker's step log."""
     per_token, prefill_device_s, prefill_wall = [], 0.0, []
-    for t0, t1 in windows:
+    for t0, t1 in raw["windows"]:
         mine = sorted((s for s in steps if t0 <= s.get("t_done", -1.0) <= t1), key=lambda s: s["t_done"])
         for prev, step in zip(mine, mine[1:]):
             if step.get("decode"):
@@ -104,24 +96,45 @@ def run(args: argparse.Namespace) -> dict:
         first_token_done = [s["t_done"] for s in mine if not s.get("decode")]
         if first_token_done:
             prefill_wall.append(max(first_token_done) - t0)
-    batch_tokens = args.batch_size * args.output_len
-    lat, ttft, tpot, step = percentiles(latencies), percentiles(ttfts), percentiles(tpots), percentiles(per_token)
-    result = {
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+    lat, tpot = percentiles(raw["latencies"]), percentiles(raw["tpots"])
+    prompt_tokens = batch_size * args.input_len
+    return {
+        "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager and any("cuda" in d for d in info.get("devices", [])),
         "tp": args.tp, "temperature": args.temperature,
-        "latency_s": lat, "ttft_s": ttft, "tpot_s": tpot, "per_token_latency_s": step,
-        "output_tokens_per_s": batch_tokens / lat["mean"],
-        "decode_tokens_per_s": args.batch_size / tpot["mean"] if tpots else None,
-        "prompt_tokens_per_s": args.batch_size * args.input_len / float(np.mean(prefill_wall)) if prefill_wall
-        else None,
-        "prompt_tokens_per_device_s": (args.batch_size * args.input_len * args.num_iters / prefill_device_s
-                                       if prefill_device_s else None),
-        "num_cached_tokens": cached, "kv_cache_tokens": info.get("num_kv_blocks", 0) * info.get("block_size", 0),
+        "latency_s": lat, "ttft_s": percentiles(raw["ttfts"]), "tpot_s": tpot,
+        "per_token_latency_s": percentiles(per_token),
+        "output_tokens_per_s": batch_size * args.output_len / lat["mean"],
+        "decode_tokens_per_s": batch_size / tpot["mean"] if tpot else None,
+        "prompt_tokens_per_s": prompt_tokens / float(np.mean(prefill_wall)) if prefill_wall else None,
+        "prompt_tokens_per_device_s": prompt_tokens * args.num_iters / prefill_device_s if prefill_device_s else None,
+        "num_cached_tokens": raw["cached"], "kv_cache_tokens": info.get("num_kv_blocks", 0) * info.get("block_size", 0),
         "devices": info.get("devices"),
     }
-    return result
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Start one engine, measure every batch size of `args.batch_size` on it in turn, return the numbers."""
+    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-latency-steps-")
+    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
+    from deltaserve import LLM
+
+    engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(*args.batch_size, 256),
+                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                       kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                       tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device)
+    if args.kv_cache_memory_gb is not None:
+        engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+    llm = LLM(args.model, **engine_args)
+    rng = np.random.default_rng(args.seed)
+    try:
+        raws = [measure(llm, args, batch_size, rng) for batch_size in args.batch_size]
+        info = dict(llm.info)
+    finally:
+        llm.shutdown()
+    steps = read_steps(os.path.join(step_dir, "worker-tp0.jsonl"))
+    return [summarize(raw, steps, args, batch_size, info) for raw, batch_size in zip(raws, args.batch_size)]
 
 
 def report(r: dict) -> None:
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[8],
+                    help="one or more batch sizes, measured in turn on one engine")
     ap.add_argument("--num-iters-warmup", type=int, default=10)
     ap.add_argument("--num-iters", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -164,17 +178,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
-    for name in ("input_len", "output_len", "batch_size", "num_iters"):
+    for name in ("input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if min(args.batch_size) < 1:
+        ap.error("--batch-size must be at least 1")
     if args.num_iters_warmup < 0:
         ap.error("--num-iters-warmup must be at least 0")
-    result = run(args)
-    report(result)
-    print(json.dumps(result))
+    results = run(args)
+    for result in results:
+        report(result)
+    print(json.dumps(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

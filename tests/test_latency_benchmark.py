@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 
-def run_latency(model: Path, out: Path, *args: str) -> dict:
+def run_latency(model: Path, out: Path, *args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "DELTASERVE_STEP_LOG_DIR"}
     subprocess.run([sys.executable, "benchmarks/latency.py", "--model", str(model), "--device", "cpu",
                     "--num-iters-warmup", "1", "--num-iters", "2", "--json", str(out), *args],
@@ -20,9 +20,11 @@ def run_latency(model: Path, out: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_decode_latency_reports_ttft_tpot_and_per_token_latency(tiny_qwen3: Path, tmp_path: Path) -> None:
-    r = run_latency(tiny_qwen3, tmp_path / "decode.json", "--input-len", "12", "--output-len", "6",
-                    "--batch-size", "3")
+def test_decode_latency_reports_ttft_tpot_and_per_token_latency_for_each_batch_size(tiny_qwen3: Path,
+                                                                                   tmp_path: Path) -> None:
+    one, r = run_latency(tiny_qwen3, tmp_path / "decode.json", "--input-len", "12", "--output-len", "6",
+                         "--batch-size", "1", "3")
+    assert one["batch_size"] == 1 and one["decode_tokens_per_s"] == 1 / one["tpot_s"]["mean"]
     assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (3, 12, 6, 2)
     assert r["num_cached_tokens"] == 0  # fresh prompts every iteration: no prefix-cache hits
     assert 0 < r["ttft_s"]["mean"] < r["latency_s"]["mean"]
@@ -35,8 +37,8 @@ def test_decode_latency_reports_ttft_tpot_and_per_token_latency(tiny_qwen3: Path
 
 
 def test_prefill_mode_reports_prompt_tokens_per_second(tiny_qwen3: Path, tmp_path: Path) -> None:
-    r = run_latency(tiny_qwen3, tmp_path / "prefill.json", "--input-len", "40", "--output-len", "1",
-                    "--batch-size", "4", "--kv-cache-dtype", "fp8")
+    (r,) = run_latency(tiny_qwen3, tmp_path / "prefill.json", "--input-len", "40", "--output-len", "1",
+                       "--batch-size", "4", "--kv-cache-dtype", "fp8")
     assert r["tpot_s"] is None and r["decode_tokens_per_s"] is None
     assert r["prompt_tokens_per_s"] > 0
     assert r["prompt_tokens_per_s"] >= 4 * 40 / r["latency_s"]["p99"]  # the prefill ends before generate returns
