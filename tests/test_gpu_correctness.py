@@ -55,7 +55,8 @@ def test_the_gate_script_runs_both_gates_and_writes_a_verdict(tiny_qwen3_trained
     names = [[r["run"] for r in results[gate]] for gate in ("random_weights", "demo_model")]
     assert names[0] == ["transformers float32, eager attention (floor)", "transformers fp32",
                         "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8"]
-    assert names[1] == ["transformers float32", "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8"]
+    assert names[1] == ["transformers float32", "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8",
+                        "deltaserve torch, eager, KV fp8 vs KV fp32"]
     for rows in results.values():
         for row in rows:
             assert row["prompts"] == 4 and 0 <= row["identical"] <= row["rule_ok"] <= 4

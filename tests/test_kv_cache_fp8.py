@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.gpu_correctness import check_logprobs_close, runner_greedy, top_ids
+from benchmarks.gpu_correctness import check_logprobs_close, greedy_generation_config, runner_greedy, top_ids
 from common.config import EngineConfig
 from common.protocol import NewRequest, StepPlan, i32
 from deltaserve import SamplingParams
@@ -57,14 +57,13 @@ def hf_greedy_with_e4m3_kv(model: Path, prompts: list[list[int]], scales: list[t
         return update(self, rounded(key, k_scale), rounded(value, v_scale), layer_idx, *args, **kwargs)
 
     model_ = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    config = greedy_generation_config(model_, num_tokens)
     tokens, tops = [], []
     with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
         mp.setattr(cache_utils.DynamicCache, "update", update_rounded)
         for ids in prompts:
             x = torch.tensor([ids])
-            out = model_.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens,
-                                  min_new_tokens=num_tokens, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True, pad_token_id=0)
+            out = model_.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
             tokens.append(out.sequences[0, len(ids):].tolist())
             tops.append(top_ids(torch.stack([step[0] for step in out.logits])))
     return tokens, tops
