@@ -10,7 +10,8 @@ After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones re
 - TPOT: each request's time per output token after the first, (e2e - TTFT) / (output_len - 1), and
   decode tokens/s = batch / TPOT;
 - per-token latency: the time from one decode step's end to the next's, from the worker's step log
-  (`DELTASERVE_STEP_LOG_DIR`): how often each running request gets a token;
+  (`DELTASERVE_STEP_LOG_DIR`): how often each running request gets a token; on a GPU also the device
+  time of each decode step and the device's idle time before it (host-bound steps show idle time);
 - prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
   token, and over the device time of the prefill steps (GPU).
 
@@ -86,12 +87,15 @@ def measure(llm, args: argparse.Namespace, batch_size: int, rng: np.random.Gener
 
 def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size: int, info: dict) -> dict:
     """The reported numbers of one batch size, from its raw timings and the worker's step log."""
-    per_token, prefill_device_s, prefill_wall = [], 0.0, []
+    per_token, device, idle, prefill_device_s, prefill_wall = [], [], [], 0.0, []
     for t0, t1 in raw["windows"]:
         mine = sorted((s for s in steps if t0 <= s.get("t_done", -1.0) <= t1), key=lambda s: s["t_done"])
         for prev, step in zip(mine, mine[1:]):
             if step.get("decode"):
                 per_token.append(step["t_done"] - prev["t_done"])
+                if "gpu_ms" in step:
+                    device.append(step["gpu_ms"] / 1e3)
+                    idle.append(step.get("idle_ms", 0.0) / 1e3)
         prefill_device_s += sum(s.get("gpu_ms", 0.0) for s in mine if not s.get("decode")) / 1e3
         first_token_done = [s["t_done"] for s in mine if not s.get("decode")]
         if first_token_done:
@@ -105,6 +109,7 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
         "tp": args.tp, "temperature": args.temperature,
         "latency_s": lat, "ttft_s": percentiles(raw["ttfts"]), "tpot_s": tpot,
         "per_token_latency_s": percentiles(per_token),
+        "decode_step_device_s": percentiles(device), "device_idle_before_decode_step_s": percentiles(idle),
         "output_tokens_per_s": batch_size * args.output_len / lat["mean"],
         "decode_tokens_per_s": batch_size / tpot["mean"] if tpot else None,
         "prompt_tokens_per_s": prompt_tokens / float(np.mean(prefill_wall)) if prefill_wall else None,
@@ -148,6 +153,9 @@ def report(r: dict) -> None:
         print(f"TPOT: {fmt(r['tpot_s'])}; decode {r['decode_tokens_per_s']:.1f} tok/s")
     if r["per_token_latency_s"] is not None:
         print(f"per-token latency (decode step to decode step): {fmt(r['per_token_latency_s'])}")
+    if r["decode_step_device_s"] is not None:  # on a GPU: how much of a step is device work, how much waiting
+        print(f"device time per decode step: {fmt(r['decode_step_device_s'])}; device idle before it: "
+              f"{fmt(r['device_idle_before_decode_step_s'])}")
     if r["prompt_tokens_per_s"] is not None and r["output_len"] == 1:
         device = r["prompt_tokens_per_device_s"]
         print(f"prefill: {r['prompt_tokens_per_s']:.0f} prompt tok/s (submission to the last first token)"
