@@ -113,9 +113,13 @@ def top_ids(logits: torch.Tensor, k: int = TOP_K) -> list[list[int]]:
 def greedy_generation_config(model: torch.nn.Module, num_tokens: int) -> object:
     """transformers settings for exactly `num_tokens` argmax tokens with EOS an ordinary token, as our
     engine runs with `ignore_eos` (`min_new_tokens` would mask EOS out of the logits and pick the
-    runner-up wherever EOS is the most likely token: a different greedy path, not a near-tie)."""
+    runner-up wherever EOS is the most likely token: a different greedy path, not a near-tie).
+
+    Also clears `model.generation_config.eos_token_id`: generate() falls back to it for a None in the
+    config it is given, and stops there."""
     import copy
 
+    model.generation_config.eos_token_id = None
     config = copy.deepcopy(model.generation_config)
     config.update(max_new_tokens=num_tokens, min_new_tokens=None, do_sample=False, eos_token_id=None, pad_token_id=0,
                   output_logits=True, return_dict_in_generate=True)

@@ -167,10 +167,14 @@ SMALL = dict(max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16], kv_cache_memory
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_fp32_engine_with_an_fp8_cache_equals_transformers_with_e4m3_keys_and_values(
-        tiny_qwen3: Path, engine_factory, enforce_eager: bool) -> None:
-    scales = engine_scales(tiny_qwen3, device="cuda", dtype="float32")
-    expected, _ = hf_greedy_with_e4m3_kv(tiny_qwen3, prompt_ids(tiny_qwen3), scales)
-    llm = engine_factory(tiny_qwen3, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+        tiny_qwen3_trained_scale: Path, engine_factory, enforce_eager: bool) -> None:
+    """The fused QK-norm kernel may put a key one float32 unit from transformers' value and so, rarely, on
+    the other side of an e4m3 rounding boundary: a checkpoint of a trained model's scale keeps such a
+    one-step change of one element from moving a greedy token (tiny_qwen3's init range 0.5 would not)."""
+    model = tiny_qwen3_trained_scale
+    scales = engine_scales(model, device="cuda", dtype="float32")
+    expected, _ = hf_greedy_with_e4m3_kv(model, prompt_ids(model), scales)
+    llm = engine_factory(model, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
                          max_model_len=1024, max_num_batched_tokens=64, enforce_eager=enforce_eager,
                          kv_cache_dtype="fp8", **SMALL)
     outputs = llm.generate(TEXT_PROMPTS + ID_PROMPTS, GREEDY, use_tqdm=False)
