@@ -23,6 +23,7 @@ from common.config import (
     DEFAULT_PROFILE_STEPS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     ConfigError,
     EngineConfig,
 )
@@ -73,6 +74,9 @@ def build_parser() -> ArgumentParser:
                    help="worker processes (one per device) to split the model over")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto = triton on GPU (faster than FlashAttention-4 on an H200), torch on CPU")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto = the model's dtype; fp8 = float8 e4m3 with a scale per layer for K and for V "
+                        "(half the bytes of bf16; triton or torch attention backend)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--max-waiting-requests", type=int, default=None,

@@ -7,7 +7,8 @@ about 4.25 TB/s of copy bandwidth on an H200 and 2.9 TB/s measured for FlashAtte
 batch 256, contexts 100..2000, page 256. Prefill is compute bound: TFLOP/s counts the
 multiply-adds of q.k and p.v over causally visible pairs only (4 * head_dim FLOPs per pair and
 query head). Times are medians of `triton.testing.do_bench`, which flushes the L2 cache between
-runs. The error column is ||out - ref|| / ||ref|| against a float32 torch reference.
+runs. The error column is ||out - ref|| / ||ref|| against a float32 torch reference. The "fp8 KV" rows read
+an e4m3 cache (1 byte an element, with scales) and are checked against the dequantized cache.
 """
 
 import random
@@ -38,15 +39,23 @@ class PagedBatch:
     seq_lens: torch.Tensor  # [num_seqs] int32
     q_lens: list[int]
     seq_lens_host: list[int]
+    k_scale: float = 1.0  # an fp8 cache's dequantization scales
+    v_scale: float = 1.0
 
 
-def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int) -> PagedBatch:
+FP8_SCALE = 2.0**-5  # randn / 2^-5 spans e4m3's range without saturating
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, fp8: bool = False) -> PagedBatch:
     """Random q and cache; each sequence gets its blocks from a shuffled pool, as after churn."""
     blocks_needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_needed)
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
     v_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    if fp8:
+        k_cache = (k_cache.float() / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
     pool = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     block_tables = torch.full((len(seq_lens), max(blocks_needed)), -1, device="cuda", dtype=torch.int32)
     start = 0
@@ -65,6 +74,8 @@ def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int) -> Paged
         seq_lens=torch.tensor(seq_lens, device="cuda", dtype=torch.int32),
         q_lens=q_lens,
         seq_lens_host=seq_lens,
+        k_scale=FP8_SCALE if fp8 else 1.0,
+        v_scale=FP8_SCALE if fp8 else 1.0,
     )
 
 
@@ -79,6 +90,7 @@ def reference(batch: PagedBatch) -> torch.Tensor:
         slots = batch.block_tables[b].long()[positions // block_size] * block_size + positions % block_size
         k = batch.k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().repeat_interleave(group, dim=1)
         v = batch.v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().repeat_interleave(group, dim=1)
+        k, v = k * batch.k_scale, v * batch.v_scale
         q = batch.q[start:start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
         q_pos = torch.arange(seq_len - q_len, seq_len, device="cuda")
@@ -102,14 +114,15 @@ def causal_flops(batch: PagedBatch) -> int:
     return 4 * HEAD_DIM * NUM_Q_HEADS * pairs
 
 
-def bench_decode(name: str, seq_lens: list[int], block_size: int, splits: list[int | None]) -> None:
-    batch = make_batch([1] * len(seq_lens), seq_lens, block_size)
+def bench_decode(name: str, seq_lens: list[int], block_size: int, splits: list[int | None], fp8: bool = False) -> None:
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size, fp8)
     ref = reference(batch)
     auto = choose_num_splits(len(seq_lens), NUM_KV_HEADS, batch.block_tables.shape[1], block_size)
     for num_splits in splits:
         def run(num_splits: int | None = num_splits) -> torch.Tensor:
             return paged_attention_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                          batch.seq_lens, SCALE, num_splits=num_splits)
+                                          batch.seq_lens, SCALE, num_splits=num_splits, k_scale=batch.k_scale,
+                                          v_scale=batch.v_scale)
 
         error = relative_error(run(), ref)
         ms = do_bench(run, return_mode="median")
@@ -118,13 +131,14 @@ def bench_decode(name: str, seq_lens: list[int], block_size: int, splits: list[i
               f"{kv_bytes(batch) / ms / 1e9:>8.2f} {'':>8} {error:>9.1e}")
 
 
-def bench_prefill(name: str, q_lens: list[int], seq_lens: list[int], block_size: int) -> None:
-    batch = make_batch(q_lens, seq_lens, block_size)
+def bench_prefill(name: str, q_lens: list[int], seq_lens: list[int], block_size: int, fp8: bool = False) -> None:
+    batch = make_batch(q_lens, seq_lens, block_size, fp8)
     ref = reference(batch)
 
     def run() -> torch.Tensor:
         return paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                       batch.query_start_loc, batch.seq_lens, max(q_lens), SCALE)
+                                       batch.query_start_loc, batch.seq_lens, max(q_lens), SCALE,
+                                       k_scale=batch.k_scale, v_scale=batch.v_scale)
 
     error = relative_error(run(), ref)
     ms = do_bench(run, return_mode="median")
@@ -144,12 +158,16 @@ def main() -> None:
     batch_256 = [rng.randint(100, 2000) for _ in range(256)]
     for block_size in (16, 256):
         bench_decode("decode b=256 ctx 100..2000", batch_256, block_size, [None, 2, 4])
+    bench_decode("decode b=256 ctx 100..2000, fp8 KV", batch_256, 16, [None, 2], fp8=True)
     for block_size in (16, 256):
         bench_decode("decode b=8 ctx 16384 (split-KV)", [16384] * 8, block_size, [None, 1, 4, 16])
     for block_size in (16, 256):
         bench_decode("decode b=1 ctx 32768 (split-KV)", [32768], block_size, [None, 1])
+    bench_decode("decode b=8 ctx 16384, fp8 KV", [16384] * 8, 16, [None], fp8=True)
+    bench_decode("decode b=1 ctx 32768, fp8 KV", [32768], 16, [None], fp8=True)
     for block_size in (16, 256):
         bench_prefill("prefill 8 x 1024 new tokens", [1024] * 8, [1024] * 8, block_size)
+    bench_prefill("prefill 8 x 1024 new tokens, fp8 KV", [1024] * 8, [1024] * 8, 16, fp8=True)
     for block_size in (16, 256):
         bench_prefill("chunked 8 x 512 after 3072 cached", [512] * 8, [3584] * 8, block_size)
     for block_size in (16, 256):

@@ -14,6 +14,7 @@ filtered workload: every row goes through workers/logits_processing.py and retur
 the tokens are the same count, so the two runs compare directly.
 
     python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2] [--filtered]
+    python benchmarks/throughput.py --model DIR --kv-cache-dtype fp8
     python benchmarks/throughput.py --model DIR --profile-dir D [--profile-steps 200:240]
 
 With `--profile-dir` the run is profiled (README "Profiling"): steps 200..239 by default, 40 decode steps
@@ -21,6 +22,9 @@ at the full batch of 256 (the warm-up and the prompts' prefill take about the fi
 D/summary.txt then gives the device's idle gaps between those steps from the trace beside the step log's
 figure over the same steps. A profiled run is slower while it traces: take throughput from an
 unprofiled one.
+
+With `--kv-cache-dtype fp8` the roofline counts 1 byte per cached element (half the KV read of bf16);
+the KV-cache capacity in tokens is printed either way.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype, bf16) or fp8")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--filtered", action="store_true",
                     help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
@@ -90,8 +95,9 @@ def main() -> None:
     total_tokens = sum(sp.max_tokens for sp in params)
     llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, profile_dir=args.profile_dir,
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, profile_dir=args.profile_dir,
               **({"profile_steps": args.profile_steps} if args.profile_dir else {}))
+    kv_capacity_tokens = llm.info["num_kv_blocks"] * llm.info["block_size"]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     worker_log = os.path.join(step_dir, "worker-tp0.jsonl")
     skip = sum(1 for _ in open(worker_log)) if os.path.exists(worker_log) else 0
@@ -110,7 +116,8 @@ def main() -> None:
     full_decode = [s["gpu_ms"] for s in steps if s.get("decode") and s["rows"] == args.num_seqs and "gpu_ms" in s]
     idle = [s.get("idle_ms", 0.0) for s in steps]
     hf = load_hf_config(args.model)
-    kv_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2  # bf16 K and V, all layers
+    kv_bytes = 1 if args.kv_cache_dtype != "auto" else 2  # fp8 or bf16 K and V, all layers
+    kv_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * kv_bytes
     bound = kv_read_bound_s(prompts, params, kv_per_token, COPY_BANDWIDTH_TBS)
     result = {
         "output_tokens": total_tokens, "seconds": elapsed, "tokens_per_s": total_tokens / elapsed,
@@ -122,6 +129,7 @@ def main() -> None:
         "gpu_busy_s": sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3, "gpu_idle_between_steps_s": sum(idle) / 1e3,
         "mean_idle_between_steps_ms": statistics.mean(idle) if idle else None,
         "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size, "filtered": args.filtered,
+        "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_capacity_tokens": kv_capacity_tokens,
         "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
     }
     print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")
@@ -135,6 +143,7 @@ def main() -> None:
     print(f"device busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_between_steps_s']:.3f} s "
           f"over {len(steps)} steps (mean {result['mean_idle_between_steps_ms'] or 0:.3f} ms)")
     print(f"process CPU: {format_cpu(cpu_used, elapsed)}")
+    print(f"KV cache ({args.kv_cache_dtype}): {kv_capacity_tokens} tokens")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,6 +20,7 @@ from common.sampling_params import SEED_LIMIT
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8 e4m3fn)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Steps a profiling run traces by itself when `profile_steps` is not given: bounded, since a trace grows with
@@ -58,6 +59,7 @@ class EngineConfig:
     seed: int = 0  # in [0, 2**63), the range of a request's seed
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a per-layer scale for K and for V (workers/kv_cache.py)
     enable_prefix_caching: bool = True
     profile_dir: str | None = None  # profiling runs (common/profiling.py): every process writes its traces here
     profile_steps: str = DEFAULT_PROFILE_STEPS  # "A:B": trace steps A..B-1 by itself; "none": only on request
@@ -122,6 +124,11 @@ class EngineConfig:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs the triton or torch attention backend: "
+                              "the flash-attn backend does not read an fp8 KV cache")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if (not isinstance(sizes, (list, tuple)) or not sizes

@@ -13,6 +13,12 @@ multiplied by `softmax_scale * log2(e)` so that `exp2` replaces `exp`.
 Grouped-query attention: one program owns one KV head and all `num_q_heads // num_kv_heads`
 query heads that read it, so every KV tile is loaded once per group. Query rows are padded to at
 least 16 so that `tl.dot` can use tensor cores.
+
+fp8 KV cache: the caches may hold float8 e4m3fn codes with one dequantization scale for the keys
+and one for the values of the layer (`kernels/kv_store.py`). A tile is widened to q's dtype as it
+is loaded (exactly: every e4m3 value is a bf16 and an fp16 value), and the scales never touch a
+tile: `q . (s_k k) = s_k (q . k)` goes into the softmax scale, and `sum_j p_j (s_v v_j)` is
+multiplied by `s_v` once, with the output.
 """
 
 import math
@@ -20,6 +26,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_store import FP8_KV_DTYPE, check_kv_scales
 
 LOG2_E = math.log2(math.e)
 MIN_DOT_ROWS = 16
@@ -75,6 +83,8 @@ def attend_kv_tile(
         kv_mask = (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)  # widens an fp8 tile; no-op otherwise
+    v = v.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -101,8 +111,13 @@ def check_paged_attention_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Validate shapes and dtypes shared by prefill and decode; return `out` (allocated if None).
+
+    The caches hold q's dtype, or float8 e4m3fn with scales `k_scale` and `v_scale` (both 1.0
+    otherwise).
 
     Raises:
         ValueError: on any mismatch. Only shapes, strides and dtypes are inspected, never tensor
@@ -121,8 +136,10 @@ def check_paged_attention_args(
         raise ValueError(f"cache head_dim {k_cache.shape[3]} differs from q head_dim {head_dim}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype} (the "
+                         f"caches hold q's dtype or {FP8_KV_DTYPE})")
+    check_kv_scales(k_cache.dtype == FP8_KV_DTYPE, k_scale, v_scale)
     if q.stride(-1) != 1:
         raise ValueError("q must have stride 1 in its last dimension")
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32:

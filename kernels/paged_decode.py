@@ -40,6 +40,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     scale_log2,
+    v_scale,
     stride_q_seq,
     stride_q_head,
     stride_out_seq,
@@ -98,7 +99,7 @@ def _paged_decode_kernel(
         )
 
     # An empty range leaves l_i == 0 and acc == 0: its output is zero and its lse is -inf.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
@@ -179,6 +180,8 @@ def paged_attention_decode(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's newest token over its whole KV history in the paged cache.
 
@@ -186,8 +189,8 @@ def paged_attention_decode(
         q: `[num_seqs, num_q_heads, head_dim]`, bf16/fp16 (fp32 allowed); the query of sequence
             b sits at position `seq_lens[b] - 1`. Last-dimension stride 1.
         k_cache, v_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, q's
-            dtype, already holding this step's key and value. `num_q_heads` must be a multiple
-            of `num_kv_heads`.
+            dtype or float8 e4m3fn, already holding this step's key and value. `num_q_heads`
+            must be a multiple of `num_kv_heads`.
         block_tables: `[num_seqs, max_blocks_per_seq]` int32 cache block ids; only the first
             `ceil(seq_lens[b] / block_size)` entries of row b are read.
         seq_lens: `[num_seqs]` int32, KV length in tokens including the new token. A row with
@@ -197,18 +200,21 @@ def paged_attention_decode(
         out: optional `[num_seqs, num_q_heads, head_dim]` output in q's dtype.
         num_splits: KV splits per sequence (Flash-Decoding), a power of two. None picks one from
             the batch size, head count and block-table width (`choose_num_splits`).
+        k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
+            cache in q's dtype.
 
     Returns:
         `out`, `[num_seqs, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
 
     Raises:
-        ValueError: on mismatched shapes, dtypes or strides, or a num_splits that is not a
-            positive power of two.
+        ValueError: on mismatched shapes, dtypes or strides, a num_splits that is not a
+            positive power of two, or a scale that is not positive and finite (or not 1.0 where
+            the cache is not fp8).
 
     Algorithm: FlashAttention-2 online softmax per split, Flash-Decoding log-sum-exp combine.
     No tensor value is read on the host, so the call is CUDA-graph capturable.
     """
-    out = check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, out)
+    out = check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
@@ -238,7 +244,8 @@ def paged_attention_decode(
         partial_lse,
         block_tables,
         seq_lens,
-        softmax_scale * LOG2_E,
+        softmax_scale * k_scale * LOG2_E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),

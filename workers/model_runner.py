@@ -32,6 +32,7 @@ from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.input_batch import InputBatch, ReqState, StepInputs
+from workers.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv_cache
 from workers.layers.fused import enable_compilation
 from workers.loader import load_weights
 from workers.logits_processing import (
@@ -193,6 +194,10 @@ class ModelRunner:
                                                 head_dim_of(self.hf_config), config.block_size)
         for layer in self.attn_layers:
             layer.backend = self.backend
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype != self.dtype:  # fp8: every layer's scales, measured once, before any cache exists
+            prepare_fp8_kv_cache(model, self.attn_layers, self.backend.name, self.hf_config.vocab_size,
+                                 config.max_model_len, config.block_size, self.device, self.dtype, rank)
         head = model.lm_head
         self.sampler = Sampler(self.device, config.seed, head.vocab_size, head.vocab_start)
         self.block_size = config.block_size
@@ -217,7 +222,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
-        per_token = 2 * len(self.attn_layers) * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        per_token = 2 * len(self.attn_layers) * layer.num_kv_heads * layer.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
     def device_name(self) -> str:
@@ -324,13 +329,14 @@ class ModelRunner:
         """One tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, sliced per layer."""
         layer = self.attn_layers[0]
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                                    layer.head_dim, dtype=self.dtype, device=self.device)
+                                    layer.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         size = self.kv_cache.numel() * self.kv_cache.element_size()
-        log.info("rank %d KV cache: %s x %s = %s, %s", self.rank, count(num_blocks, "block"),
-                 count(self.block_size, "token"), count(num_blocks * self.block_size, "token"), format_bytes(size))
+        log.info("rank %d KV cache: %s x %s = %s, %s of %s", self.rank, count(num_blocks, "block"),
+                 count(self.block_size, "token"), count(num_blocks * self.block_size, "token"), format_bytes(size),
+                 self.kv_cache_dtype)
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_batch_sizes(self) -> list[int]:

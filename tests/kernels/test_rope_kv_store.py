@@ -212,7 +212,7 @@ def test_inconsistent_arguments_are_refused() -> None:
 # ---------------------------------------------------------------------------------------- whole model
 
 
-def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "torch"
+def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "torch", kv_cache_dtype: str = "auto"
               ) -> tuple[list[list[int]], list[torch.Tensor], torch.Tensor, int]:
     """Prefill three prompts, then decode them for 6 steps through a CPU ModelRunner.
 
@@ -225,7 +225,7 @@ def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "to
     from workers.model_runner import ModelRunner
 
     cfg = EngineConfig(model=str(model), device="cpu", dtype=dtype, block_size=16, max_model_len=128,
-                       max_num_seqs=4, attention_backend=attention_backend).resolve()
+                       max_num_seqs=4, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype).resolve()
     runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
     runner.allocate_kv_cache(12)
     prompts = [synthetic_prompt(n, seed=n) for n in (20, 33, 7)]

@@ -45,6 +45,10 @@ class AttentionBackend(ABC):
 
     `forward` is `store` then `attend`. A model whose k/v for this step were already written into
     the cache by a fused kernel (`kernels/rope_kv_store.py`) calls `attend` alone.
+
+    The caches hold the model's dtype, or float8 e4m3fn (an fp8 KV cache, `workers/kv_cache.py`):
+    `store` then writes `e4m3(k / k_scale)` and `e4m3(v / v_scale)`, and `attend` reads
+    `code * scale`. `k_scale` and `v_scale` are the layer's scales, 1.0 for a cache in the model's dtype.
     """
 
     name: ClassVar[str] = ""
@@ -58,6 +62,8 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write k/v `[T, Hk, D]` into the caches `[num_blocks, block_size, Hk, D]` at `meta.slot_mapping`
         (slots of -1 are skipped)."""
@@ -70,6 +76,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """q `[T, Hq, D]` over caches `[num_blocks, block_size, Hk, D]` that already hold this step's
         k/v -> out `[T, Hq, D]` in q's dtype. Hq must be a multiple of Hk (grouped-query attention)."""
@@ -83,8 +91,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hk, D]`, caches `[num_blocks, block_size, Hk, D]` -> out `[T, Hq, D]`
         in q's dtype: `store` then `attend`."""
-        self.store(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        self.store(k, v, k_cache, v_cache, meta, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -7,6 +7,9 @@ context through the block table:
   seqused_k=..., page_table=..., causal=True)` for prefill, decode and mixed steps alike.
 - flash-attn 2: `flash_attn_varlen_func(..., block_table=...)` (it needs cumulative key lengths and
   a block size that is a multiple of 256) and `flash_attn_with_kvcache` for decode.
+
+Neither reads our fp8 KV cache: the engine refuses `kv_cache_dtype="fp8"` with this backend
+(`EngineConfig`), so the caches here always hold the model's dtype and the scales are 1.0.
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def create(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: 
     return FlashAttention2Backend()
 
 
+def _require_model_dtype(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    if k_cache.dtype == torch.float8_e4m3fn or k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError("the flash-attn backend does not read an fp8 KV cache")
+
+
 class FlashAttention4Backend(AttentionBackend):
     name = "flash-attn-4"
     supports_cuda_graphs = True
@@ -79,10 +87,13 @@ class FlashAttention4Backend(AttentionBackend):
 
         self._varlen = flash_attn_varlen_func
 
-    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> None:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        _require_model_dtype(k_cache, k_scale, v_scale)
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
                            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
                            page_table=meta.block_tables, softmax_scale=scale, causal=True)
@@ -99,10 +110,13 @@ class FlashAttention2Backend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> None:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        _require_model_dtype(k_cache, k_scale, v_scale)
         if meta.is_decode:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)

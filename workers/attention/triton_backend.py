@@ -1,4 +1,5 @@
-"""Attention with our own Triton kernels (`kernels/`): KV store, varlen paged prefill, split-KV decode."""
+"""Attention with our own Triton kernels (`kernels/`): KV store, varlen paged prefill, split-KV decode;
+over a cache in the model's dtype or an fp8 (e4m3fn) one."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # decode reads no tensor value on the host
 
-    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> None:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
         if meta.is_decode:
-            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                          k_scale=k_scale, v_scale=v_scale)
         return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                       meta.max_query_len, scale)
+                                       meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)

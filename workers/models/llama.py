@@ -73,7 +73,8 @@ class LlamaAttention(nn.Module):
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, q_weight, k_weight, eps,
                                   self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, self.num_heads,
-                                  self.num_kv_heads, self.head_dim)
+                                  self.num_kv_heads, self.head_dim, k_scale=self.attn.k_scale,
+                                  v_scale=self.attn.v_scale)
 
 
 class LlamaMLP(nn.Module):

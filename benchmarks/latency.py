@@ -1,0 +1,206 @@
+"""Latency of one batch, vLLM's `benchmark_latency` shape, through the public `LLM` API.
+
+Each iteration submits `--batch-size` prompts of `--input-len` random token ids (uniform in
+0..10000, fresh ones every iteration so that nothing is a prefix-cache hit) with `max_tokens =
+--output-len`, `ignore_eos` and `--temperature` (vLLM's default 1.0), and waits for all of them.
+After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones report:
+
+- latency: seconds per iteration (mean, p50, p99), and output tokens/s = batch x output_len / latency;
+- TTFT: each request's time to first token, from the engine's own metrics (submission to first token);
+- TPOT: each request's time per output token after the first, (e2e - TTFT) / (output_len - 1), and
+  decode tokens/s = batch / TPOT;
+- per-token latency: the time from one decode step's end to the next's, from the worker's step log
+  (`DELTASERVE_STEP_LOG_DIR`): how often each running request gets a token; on a GPU also the device
+  time of each decode step and the device's idle time before it (host-bound steps show idle time);
+- prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
+  token, and over the device time of the prefill steps (GPU).
+
+Several batch sizes (`--batch-size 1 8 32`) are measured one after another on one engine; `--json` writes
+a list with one result per batch size.
+
+    python benchmarks/latency.py --model DIR --input-len 100 --output-len 512 --batch-size 1 8 32
+    python benchmarks/latency.py --model DIR --input-len 1024 --output-len 1 --batch-size 32 \\
+        --max-num-batched-tokens 32768                                       # prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    """mean, p50 and p99 of `values`; None if there are none."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
+
+
+def fmt(stats: dict[str, float], scale: float = 1e3, unit: str = "ms") -> str:
+    return (f"mean {stats['mean'] * scale:.3f} {unit}, p50 {stats['p50'] * scale:.3f} {unit}, "
+            f"p99 {stats['p99'] * scale:.3f} {unit}")
+
+
+def read_steps(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def measure(llm, args: argparse.Namespace, batch_size: int, rng: np.random.Generator) -> dict:
+    """Warm-up and measured iterations at one batch size on a running engine: the raw timings."""
+    from deltaserve import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    raw: dict = {"windows": [], "latencies": [], "ttfts": [], "tpots": [], "cached": 0}
+    for i in range(args.num_iters_warmup + args.num_iters):
+        prompts = rng.integers(0, 10000, size=(batch_size, args.input_len)).tolist()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.perf_counter()
+        errors = [o["error"] for o in outputs if o["error"]]
+        if errors:
+            raise RuntimeError(f"a request failed: {errors[0]}")
+        assert all(len(o["token_ids"]) == args.output_len for o in outputs), "ignore_eos gives max_tokens tokens"
+        if i < args.num_iters_warmup:
+            continue
+        raw["windows"].append((t0, t1))
+        raw["latencies"].append(t1 - t0)
+        raw["cached"] += sum(o["num_cached_tokens"] for o in outputs)
+        for o in outputs:
+            ttft, e2e = o["metrics"]["ttft_s"], o["metrics"]["e2e_s"]
+            raw["ttfts"].append(ttft)
+            if args.output_len > 1:
+                raw["tpots"].append((e2e - ttft) / (args.output_len - 1))
+    return raw
+
+
+def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size: int, info: dict) -> dict:
+    """The reported numbers of one batch size, from its raw timings and the worker's step log."""
+    per_token, device, idle, prefill_device_s, prefill_wall = [], [], [], 0.0, []
+    for t0, t1 in raw["windows"]:
+        mine = sorted((s for s in steps if t0 <= s.get("t_done", -1.0) <= t1), key=lambda s: s["t_done"])
+        for prev, step in zip(mine, mine[1:]):
+            if step.get("decode"):
+                per_token.append(step["t_done"] - prev["t_done"])
+                if "gpu_ms" in step:
+                    device.append(step["gpu_ms"] / 1e3)
+                    idle.append(step.get("idle_ms", 0.0) / 1e3)
+        prefill_device_s += sum(s.get("gpu_ms", 0.0) for s in mine if not s.get("decode")) / 1e3
+        first_token_done = [s["t_done"] for s in mine if not s.get("decode")]
+        if first_token_done:
+            prefill_wall.append(max(first_token_done) - t0)
+    lat, tpot = percentiles(raw["latencies"]), percentiles(raw["tpots"])
+    prompt_tokens = batch_size * args.input_len
+    return {
+        "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "num_iters": args.num_iters, "backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype,
+        "cuda_graphs": not args.enforce_eager and any("cuda" in d for d in info.get("devices", [])),
+        "tp": args.tp, "temperature": args.temperature,
+        "latency_s": lat, "ttft_s": percentiles(raw["ttfts"]), "tpot_s": tpot,
+        "per_token_latency_s": percentiles(per_token),
+        "decode_step_device_s": percentiles(device), "device_idle_before_decode_step_s": percentiles(idle),
+        "output_tokens_per_s": batch_size * args.output_len / lat["mean"],
+        "decode_tokens_per_s": batch_size / tpot["mean"] if tpot else None,
+        "prompt_tokens_per_s": prompt_tokens / float(np.mean(prefill_wall)) if prefill_wall else None,
+        "prompt_tokens_per_device_s": prompt_tokens * args.num_iters / prefill_device_s if prefill_device_s else None,
+        "num_cached_tokens": raw["cached"], "kv_cache_tokens": info.get("num_kv_blocks", 0) * info.get("block_size", 0),
+        "devices": info.get("devices"),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Start one engine, measure every batch size of `args.batch_size` on it in turn, return the numbers."""
+    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-latency-steps-")
+    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
+    from deltaserve import LLM
+
+    engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(*args.batch_size, 256),
+                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                       kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                       tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device)
+    if args.kv_cache_memory_gb is not None:
+        engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+    llm = LLM(args.model, **engine_args)
+    rng = np.random.default_rng(args.seed)
+    try:
+        raws = [measure(llm, args, batch_size, rng) for batch_size in args.batch_size]
+        info = dict(llm.info)
+    finally:
+        llm.shutdown()
+    steps = read_steps(os.path.join(step_dir, "worker-tp0.jsonl"))
+    return [summarize(raw, steps, args, batch_size, info) for raw, batch_size in zip(raws, args.batch_size)]
+
+
+def report(r: dict) -> None:
+    print(f"batch {r['batch_size']}, input {r['input_len']} tokens, output {r['output_len']} tokens, "
+          f"{r['num_iters']} iterations; backend {r['backend']}, KV cache {r['kv_cache_dtype']} "
+          f"({r['kv_cache_tokens']} tokens), CUDA graphs {'on' if r['cuda_graphs'] else 'off'}, TP {r['tp']}, "
+          f"temperature {r['temperature']:g}, {r['devices']}")
+    print(f"latency per iteration: {fmt(r['latency_s'], 1.0, 's')}; output {r['output_tokens_per_s']:.1f} tok/s")
+    print(f"TTFT: {fmt(r['ttft_s'])}")
+    if r["decode_tokens_per_s"] is not None:
+        print(f"TPOT: {fmt(r['tpot_s'])}; decode {r['decode_tokens_per_s']:.1f} tok/s")
+    if r["per_token_latency_s"] is not None:
+        print(f"per-token latency (decode step to decode step): {fmt(r['per_token_latency_s'])}")
+    if r["decode_step_device_s"] is not None:  # on a GPU: how much of a step is device work, how much waiting
+        print(f"device time per decode step: {fmt(r['decode_step_device_s'])}; device idle before it: "
+              f"{fmt(r['device_idle_before_decode_step_s'])}")
+    if r["prompt_tokens_per_s"] is not None and r["output_len"] == 1:
+        device = r["prompt_tokens_per_device_s"]
+        print(f"prefill: {r['prompt_tokens_per_s']:.0f} prompt tok/s (submission to the last first token)"
+              + (f", {device:.0f} prompt tok/s of device time" if device else ""))
+    if r["num_cached_tokens"]:
+        print(f"warning: {r['num_cached_tokens']} prompt tokens were prefix-cache hits")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[8],
+                    help="one or more batch sizes, measured in turn on one engine")
+    ap.add_argument("--num-iters-warmup", type=int, default=10)
+    ap.add_argument("--num-iters", type=int, default=30)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    for name in ("input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if min(args.batch_size) < 1:
+        ap.error("--batch-size must be at least 1")
+    if args.num_iters_warmup < 0:
+        ap.error("--num-iters-warmup must be at least 0")
+    results = run(args)
+    for result in results:
+        report(result)
+    print(json.dumps(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

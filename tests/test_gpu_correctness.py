@@ -1,0 +1,65 @@
+"""benchmarks/gpu_correctness.py: vLLM's check_logprobs_close rule, and the whole gate script run on CPU
+with a tiny checkpoint (the GPU run must not be the first time it runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_correctness import check_logprobs_close, our_runs
+from tests.conftest import REPO
+
+TOP = [[1, 2, 3, 4, 5]] * 4
+
+
+def test_identical_runs_pass() -> None:
+    assert check_logprobs_close([1, 2, 3], TOP, [1, 2, 3], TOP) == {"identical": True, "ok": True, "position": None}
+
+
+def test_a_divergence_between_two_top5_tokens_passes_and_nothing_after_it_is_compared() -> None:
+    ours_top = [[7, 1, 2, 3, 4], [9, 8, 6, 5, 4], [9], [9]]
+    ref_top = [[1, 7, 2, 3, 4], [9], [9], [9]]
+    result = check_logprobs_close([7, 100, 200], ours_top, [1, 300, 400], ref_top)
+    assert result == {"identical": False, "ok": True, "position": 0, "ranks": [1, 1]}
+
+
+@pytest.mark.parametrize(("ours", "ref"), [([5, 6], [5, 9]), ([5, 9], [5, 6])])
+def test_a_divergence_to_a_token_outside_the_other_runs_top5_fails(ours: list[int], ref: list[int]) -> None:
+    tops = [[5, 1, 2, 3, 4], [6, 1, 2, 3, 4]]  # 9 is in neither run's top-5 at position 1
+    result = check_logprobs_close(ours, tops, ref, tops)
+    assert result["position"] == 1 and not result["ok"]
+
+
+def test_every_backend_runs_with_graphs_on_and_off_and_both_kv_cache_dtypes() -> None:
+    runs = {(backend, eager, kv) for _, backend, eager, kv in our_runs(["triton", "flash-attn", "torch"])}
+    assert runs == {("triton", False, "auto"), ("triton", True, "auto"), ("triton", False, "fp8"),
+                    ("triton", True, "fp8"), ("flash-attn", False, "auto"), ("flash-attn", True, "auto"),
+                    ("torch", True, "auto"), ("torch", True, "fp8")}
+
+
+@pytest.mark.slow
+def test_the_gate_script_runs_both_gates_and_writes_a_verdict(tiny_qwen3_trained_scale: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gates.json"
+    env = {k: v for k, v in os.environ.items() if k != "DELTASERVE_STEP_LOG_DIR"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_correctness.py", "--model", str(tiny_qwen3_trained_scale),
+                           "--demo-model", str(tiny_qwen3_trained_scale), "--device", "cpu", "--backends", "torch",
+                           "--dtype", "float32", "--num-prompts", "4", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    names = [[r["run"] for r in results[gate]] for gate in ("random_weights", "demo_model")]
+    assert names[0] == ["transformers float32, eager attention (floor)", "transformers fp32",
+                        "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8"]
+    assert names[1] == ["transformers float32", "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8",
+                        "deltaserve torch, eager, KV fp8 vs KV fp32"]
+    for rows in results.values():
+        for row in rows:
+            assert row["prompts"] == 4 and 0 <= row["identical"] <= row["rule_ok"] <= 4
+            assert "pass" in row or row["run"].startswith("transformers")
+    verdict = "all gates pass" if proc.returncode == 0 else "FAILED"
+    assert verdict in proc.stdout

@@ -1,0 +1,45 @@
+"""benchmarks/latency.py on CPU: it runs vLLM's benchmark_latency shape through `LLM` and reports
+numbers that belong together (a tiny checkpoint; the speeds themselves are measured on the GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def run_latency(model: Path, out: Path, *args: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "DELTASERVE_STEP_LOG_DIR"}
+    subprocess.run([sys.executable, "benchmarks/latency.py", "--model", str(model), "--device", "cpu",
+                    "--num-iters-warmup", "1", "--num-iters", "2", "--json", str(out), *args],
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_decode_latency_reports_ttft_tpot_and_per_token_latency_for_each_batch_size(tiny_qwen3: Path,
+                                                                                   tmp_path: Path) -> None:
+    one, r = run_latency(tiny_qwen3, tmp_path / "decode.json", "--input-len", "12", "--output-len", "6",
+                         "--batch-size", "1", "3")
+    assert one["batch_size"] == 1 and one["decode_tokens_per_s"] == 1 / one["tpot_s"]["mean"]
+    assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (3, 12, 6, 2)
+    assert r["num_cached_tokens"] == 0  # fresh prompts every iteration: no prefix-cache hits
+    assert 0 < r["ttft_s"]["mean"] < r["latency_s"]["mean"]
+    assert 0 < r["tpot_s"]["p50"] <= r["tpot_s"]["p99"]
+    # Every request runs in every decode step: a token per step each, so TPOT is the step time.
+    assert abs(r["tpot_s"]["mean"] - r["per_token_latency_s"]["mean"]) < 0.5 * r["tpot_s"]["mean"]
+    assert r["decode_tokens_per_s"] == 3 / r["tpot_s"]["mean"]
+    assert r["output_tokens_per_s"] == 3 * 6 / r["latency_s"]["mean"]
+    assert r["cuda_graphs"] is False and r["devices"] == ["cpu"]
+
+
+def test_prefill_mode_reports_prompt_tokens_per_second(tiny_qwen3: Path, tmp_path: Path) -> None:
+    (r,) = run_latency(tiny_qwen3, tmp_path / "prefill.json", "--input-len", "40", "--output-len", "1",
+                       "--batch-size", "4", "--kv-cache-dtype", "fp8")
+    assert r["tpot_s"] is None and r["decode_tokens_per_s"] is None
+    assert r["prompt_tokens_per_s"] > 0
+    assert r["prompt_tokens_per_s"] >= 4 * 40 / r["latency_s"]["p99"]  # the prefill ends before generate returns
+    assert r["kv_cache_dtype"] == "fp8"
