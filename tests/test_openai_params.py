@@ -80,7 +80,7 @@ def test_neutral_values_are_sampling_params_defaults() -> None:
     ({"stop": ["a", ""]}, "stop", "stop must be a non-empty string"),
     ({"bad_words": [" "]}, "bad_words", "non-blank strings"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be in [0, max_tokens=4]"),
-    ({"min_tokens": 5, "max_completion_tokens": 4}, "min_tokens", "max_tokens=4"),
+    ({"min_tokens": 5, "max_completion_tokens": 4}, "min_tokens", "min_tokens must be in [0, max_completion_tokens=4]"),
     ({"temperature": 1e39}, "temperature", "float32"),
     ({"repetition_penalty": 1e300}, "repetition_penalty", "finite in float32"),
     ({"repetition_penalty": 1e-300}, "repetition_penalty", "reciprocal"),

@@ -503,6 +503,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "ignore_eos": 2}, "ignore_eos", "valid boolean"),
     ({"prompt": "x", "skip_special_tokens": []}, "skip_special_tokens", "valid boolean"),
     ({"prompt": "x", "user": 5}, "user", "valid string"),
+    ({"prompt": "x", "min_tokens": 10**30}, "min_tokens", "less than 9223372036854775808"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids", "less than 9223372036854775808"),
+    ({"prompt": "x", "presence_penalty": 1e300}, "presence_penalty", "less than or equal to 2"),
+    ({"prompt": "x", "logit_bias": {"5": 1e300}}, "logit_bias", "less than or equal to 100"),
 ]
 
 
@@ -533,6 +537,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "n": 0}, "n", "greater than or equal to 1"),
     ({"messages": CHAT, "stop": [""]}, "stop", "non-empty"),
     ({"messages": CHAT, "max_tokens": 4, "min_tokens": 9}, "min_tokens", "max_tokens=4"),
+    ({"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 9}, "min_tokens", "max_completion_tokens=3"),
     ({"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream=true"),
     ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
 ]

@@ -87,7 +87,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_model_le
         message = str(exc)
         name = re.match(r"[a-z_]*", message).group(0)  # type: ignore[union-attr]
         field = request_names.get(name, name)
-        raise UnsupportedField(field, field + message[len(name):]) from None
+        rest = message[len(name):].replace("max_tokens=", request_names["max_tokens"] + "=")  # min_tokens' bound
+        raise UnsupportedField(field, field + rest) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
