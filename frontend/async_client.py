@@ -47,9 +47,12 @@ from common.protocol import (
     GetEngineStats,
     Ping,
     Pong,
+    ProfileStatus,
     ProtocolError,
     RequestOutput,
     RequestOutputs,
+    StartProfile,
+    StopProfile,
     Submit,
     Tokenize,
     TokenizeResult,
@@ -57,6 +60,7 @@ from common.protocol import (
     encode,
     wire_error,
 )
+from frontend.client import StreamedOutput
 
 log = logging.getLogger("deltaserve.async_client")
 
@@ -66,17 +70,17 @@ class EngineUnavailable(RuntimeError):
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Several streamed deltas of one request as one delta (texts and token ids joined; the last one's
-    finish, error and metrics). A consumer that falls behind the engine sends one chunk for all of them."""
+    """Several streamed deltas of one request, in the order they came, as one delta: per sample, its texts,
+    token ids and logprobs joined, its latest finish and stop reasons and cumulative logprob; the
+    request's prompt logprobs (they come once); the last delta's finish, error and metrics. Every sample
+    with news in any delta has news in the result. A consumer that falls behind the engine sends one chunk
+    for all of them."""
     if len(outputs) == 1:
         return outputs[0]
-    last = outputs[-1]
-    ids: list[int] = []
+    merged = StreamedOutput(outputs[0].request_id)
     for out in outputs:
-        ids.extend(out.token_ids)
-    return RequestOutput(last.request_id, "".join(out.text for out in outputs), ids, last.finished,
-                         last.finish_reason, last.error, last.num_prompt_tokens, last.num_cached_tokens, last.metrics,
-                         last.error_type)
+        merged.add(out)
+    return merged.output()
 
 
 class RequestStream:
@@ -149,6 +153,9 @@ class AsyncEngineClient:
         self.down_reason: str | None = None  # why the engine is not serving any more
         self._streams: dict[str, RequestStream] = {}
         self._info_waiters: deque[asyncio.Future[EngineInfo]] = deque()
+        # The frontend answers profiling requests in the order they came, without an id: one future per
+        # request, in order. A future whose caller gave up stays in line, so a late answer still pairs up.
+        self._profile_waiters: deque[asyncio.Future[ProfileStatus]] = deque()
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._reply_ids = itertools.count(1)
         self._ids = itertools.count()
@@ -239,6 +246,27 @@ class AsyncEngineClient:
                          timeout_s: float = 60.0) -> DetokenizeResult:
         return await self._ask(lambda rid: Detokenize(rid, token_ids, skip_special_tokens), timeout_s)
 
+    async def start_profile(self, num_steps: int = 0, timeout_s: float = 60.0) -> ProfileStatus:
+        """Start tracing every engine process at the next step, for at most `num_steps` steps (0: the
+        length of the engine's --profile-steps window) or until `stop_profile()`. Returns the session's
+        status; one with `error` set says why the engine refused (profiling off, a session running).
+        Raises `EngineUnavailable` if the engine is not serving, `TimeoutError` after `timeout_s`."""
+        return await self._profile_request(StartProfile(num_steps), timeout_s)
+
+    async def stop_profile(self, timeout_s: float = 600.0) -> ProfileStatus:
+        """Stop the trace after the last step planned so far; returns once every process's trace is
+        written and merged, with the folder and the summary (or `error`: no session running). Raises like
+        `start_profile`."""
+        return await self._profile_request(StopProfile(), timeout_s)
+
+    async def _profile_request(self, msg: StartProfile | StopProfile, timeout_s: float) -> ProfileStatus:
+        if not self.serving:
+            raise EngineUnavailable(self.down_reason or "the engine is starting")
+        fut: asyncio.Future[ProfileStatus] = asyncio.get_running_loop().create_future()
+        self._profile_waiters.append(fut)
+        self._send_bytes(encode(msg))
+        return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+
     async def _ask(self, make: Any, timeout_s: float) -> Any:
         """Send the message `make(reply_id)` and wait for the answer carrying that reply id. Raises
         `EngineUnavailable` if the engine is not serving, `TimeoutError` after `timeout_s`."""
@@ -284,6 +312,11 @@ class AsyncEngineClient:
                 fut = self._replies.get(msg.reply_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, ProfileStatus):
+                if self._profile_waiters:
+                    fut = self._profile_waiters.popleft()
+                    if not fut.done():
+                        fut.set_result(msg)
             elif isinstance(msg, ErrorReply):
                 log.error("the engine refused a message: %s", msg.error)
             elif not isinstance(msg, Pong):
@@ -309,6 +342,11 @@ class AsyncEngineClient:
         for rid, stream in list(self._streams.items()):
             stream._put(RequestOutput(rid, finished=True, finish_reason="error", error=why,
                                       error_type=ERROR_ENGINE_DOWN))
+        while self._profile_waiters:  # no answer will come
+            fut = self._profile_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+                fut.exception()  # retrieved here: a caller that gave up must not leave it logged as unhandled
 
     async def close(self) -> None:
         for task in self._tasks:

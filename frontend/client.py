@@ -441,7 +441,7 @@ class StreamedOutput:
         return RequestOutput(self.request_id, first.text, first.token_ids, last.finished, first.finish_reason,
                              last.error, last.num_prompt_tokens, last.num_cached_tokens, dict(last.metrics),
                              first.stop_reason, first.logprobs, first.cumulative_logprob, self.prompt_logprobs,
-                             first.index, samples[1:])
+                             first.index, samples[1:], last.error_type)
 
 
 def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:

@@ -229,10 +229,12 @@ class FrontendProcess:
         ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
+        eos = self.tokenizer.eos_token_id  # the HTTP server's stop_reason is None at this one (vLLM's rule)
         return {"model": self.config.served_model_names[0], "max_model_len": self.config.max_model_len,
                 "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
-                "max_waiting_requests": self.config.max_waiting_requests, **self.ready_info}
+                "max_waiting_requests": self.config.max_waiting_requests,
+                "eos_token_id": None if eos is None else int(eos), **self.ready_info}
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:

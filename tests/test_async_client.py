@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,13 +21,19 @@ from common.protocol import (
     GetEngineInfo,
     Ping,
     Pong,
+    PositionLogprobs,
+    ProfileStatus,
     RequestOutput,
     RequestOutputs,
+    SampleOutput,
+    StartProfile,
+    StopProfile,
     Submit,
+    TopLogprob,
     decode,
     encode,
 )
-from frontend.async_client import AsyncEngineClient, EngineUnavailable
+from frontend.async_client import AsyncEngineClient, EngineUnavailable, merge_outputs
 
 
 @dataclass
@@ -39,6 +46,7 @@ class FakeFrontend:
     silent: bool = False
     aborted: list[str] = field(default_factory=list)
     submitted: list[str] = field(default_factory=list)
+    profile_requests: list[object] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -65,6 +73,12 @@ class FakeFrontend:
             elif isinstance(msg, Abort):
                 self.aborted += msg.request_ids
                 continue
+            elif isinstance(msg, (StartProfile, StopProfile)):  # answered in order, session = its number
+                self.profile_requests.append(msg)
+                n = len(self.profile_requests)
+                if isinstance(msg, StartProfile) and msg.num_steps == 99:
+                    time.sleep(0.5)  # answered late: its caller has given up by then
+                reply = ProfileStatus(n, error=None if isinstance(msg, StartProfile) else "not profiling")
             else:
                 continue
             sock.send_multipart([client, encode(reply)])
@@ -158,3 +172,68 @@ def test_a_silent_frontend_ends_open_requests_and_refuses_new_ones(frontend: Fak
 
     out = asyncio.run(run())
     assert out.finished and out.error_type == ERROR_ENGINE_DOWN and "has not answered" in out.error
+
+
+def lp(token_id: int) -> PositionLogprobs:
+    return PositionLogprobs(token_id, -1.0, 1, f"t{token_id}", [TopLogprob(token_id, -1.0, f"t{token_id}")])
+
+
+def test_merged_deltas_keep_each_samples_text_tokens_logprobs_and_the_prompt_logprobs() -> None:
+    prompt = [None, lp(9)]
+    deltas = [
+        RequestOutput("r", "a", [1], logprobs=[lp(1)], cumulative_logprob=-1.0, prompt_logprobs=prompt, index=0,
+                      samples=[SampleOutput(1, "x", [5], logprobs=[lp(5)], cumulative_logprob=-1.0)],
+                      num_prompt_tokens=3),
+        RequestOutput("r", "y", [6], logprobs=[lp(6)], cumulative_logprob=-2.0, index=1, num_prompt_tokens=3),
+        RequestOutput("r", "b", [2], True, "stop", stop_reason="b", logprobs=[lp(2)], cumulative_logprob=-2.0,
+                      index=0, samples=[SampleOutput(1, "", [], "length", logprobs=[], cumulative_logprob=-2.0)],
+                      num_prompt_tokens=3, metrics={"e2e_s": 1.0}),
+    ]
+    out = merge_outputs(deltas)
+    first, second = out.outputs
+    assert (first.index, first.text, first.token_ids, first.finish_reason, first.stop_reason) == (0, "ab", [1, 2],
+                                                                                                  "stop", "b")
+    assert [p.token_id for p in first.logprobs] == [1, 2] and first.cumulative_logprob == -2.0
+    assert (second.index, second.text, second.token_ids, second.finish_reason) == (1, "xy", [5, 6], "length")
+    assert [p.token_id for p in second.logprobs] == [5, 6]
+    assert out.prompt_logprobs == prompt
+    assert out.finished and out.metrics == {"e2e_s": 1.0} and out.num_prompt_tokens == 3
+
+
+def test_merged_deltas_of_a_failed_request_keep_its_error_type() -> None:
+    out = merge_outputs([RequestOutput("r", "a", [1]), RequestOutput("r", finished=True, finish_reason="error",
+                                                                     error="down", error_type=ERROR_ENGINE_DOWN)])
+    assert (out.text, out.finish_reason, out.error, out.error_type) == ("a", "error", "down", ERROR_ENGINE_DOWN)
+
+
+def test_profiling_answers_pair_with_their_requests_in_order_even_after_one_gave_up(frontend: FakeFrontend) -> None:
+    async def run() -> tuple[ProfileStatus, ProfileStatus]:
+        client = await started(frontend)
+        try:
+            with pytest.raises(TimeoutError):
+                await client.start_profile(num_steps=99, timeout_s=0.2)
+            started_status = await asyncio.wait_for(client.start_profile(5), 10)
+            stopped = await asyncio.wait_for(client.stop_profile(), 10)
+            return started_status, stopped
+        finally:
+            await client.close()
+
+    started_status, stopped = asyncio.run(run())
+    assert [type(m).__name__ for m in frontend.profile_requests] == ["StartProfile", "StartProfile", "StopProfile"]
+    assert frontend.profile_requests[1].num_steps == 5
+    # The late first answer went to the request that gave up, not to the next one.
+    assert (started_status.session, started_status.error) == (2, None)
+    assert (stopped.session, stopped.error) == (3, "not profiling")
+
+
+def test_a_silent_frontend_fails_a_waiting_profiling_request(frontend: FakeFrontend) -> None:
+    async def run() -> None:
+        client = await started(frontend, ping_interval_s=0.1, dead_after_s=0.5)
+        try:
+            frontend.silent = True
+            with pytest.raises(EngineUnavailable, match="has not answered"):
+                await asyncio.wait_for(client.stop_profile(), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(run())

@@ -6,8 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import EngineRequest, EngineStats, Histogram, SchedulerStats, i32
+from common.sampling_params import SamplingParams
 from frontend.openai.metrics import render
-from frontend.openai.params import NOT_SUPPORTED_YET, UnsupportedField, sampling_params
+from frontend.openai.params import UnsupportedField, sampling_params
 from frontend.openai.schema import ChatCompletionRequest, CompletionRequest
 from frontend.stats import BucketCounts, EngineStatsCollector, token_buckets
 from scheduler_proc.scheduler import Scheduler, SchedulerConfig
@@ -33,44 +34,70 @@ def test_supported_fields_map_to_their_sampling_params() -> None:
     assert sampling_params(chat(max_tokens=9, max_completion_tokens=4), 100).max_tokens == 4
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 3}, "n"), ({"top_p": 0.9}, "top_p"), ({"top_k": 40}, "top_k"), ({"min_p": 0.05}, "min_p"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"logit_bias": {"7": -100}}, "logit_bias"),
-    ({"bad_words": ["x"]}, "bad_words"), ({"min_tokens": 2}, "min_tokens"), ({"stop": "END"}, "stop"),
-    ({"stop": ["a", "b"]}, "stop"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ({"logprobs": True}, "logprobs"), ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-])
-def test_each_field_the_engine_lacks_is_refused_by_its_request_name(fields: dict, param: str) -> None:
-    with pytest.raises(UnsupportedField) as err:
-        sampling_params(chat(**fields), max_model_len=100)
-    assert err.value.param == param
-    assert str(err.value).startswith(f"{param}: not supported yet")
+def test_every_sampling_field_maps_to_its_sampling_params_name() -> None:
+    p = sampling_params(chat(n=3, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
+                             repetition_penalty=1.1, logit_bias={"7": -100, "12": 2.5}, bad_words=["x"], min_tokens=2,
+                             stop="END", include_stop_str_in_output=True, logprobs=True, top_logprobs=3,
+                             prompt_logprobs=1, user="someone", max_tokens=9), max_model_len=100)
+    assert (p.n, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (
+        3, 0.9, 40, 0.05, 0.5, -0.5, 1.1)
+    assert p.logit_bias == {7: -100.0, 12: 2.5}  # OpenAI's string keys are token ids
+    assert (p.bad_words, p.min_tokens, p.stop, p.include_stop_str_in_output) == (["x"], 2, ["END"], True)
+    assert (p.logprobs, p.prompt_logprobs) == (3, 1)
 
 
-def test_completion_logprobs_are_refused_by_their_name() -> None:
-    with pytest.raises(UnsupportedField) as err:
-        sampling_params(CompletionRequest(prompt="x", logprobs=0), 100)
-    assert err.value.param == "logprobs"
+def test_chat_logprobs_is_a_switch_and_top_logprobs_the_count() -> None:
+    assert sampling_params(chat(logprobs=True), 100).logprobs == 0  # the sampled token's logprob alone
+    assert sampling_params(chat(logprobs=True, top_logprobs=5), 100).logprobs == 5
+    assert sampling_params(chat(logprobs=False), 100).logprobs is None
+    assert sampling_params(chat(top_logprobs=0), 100).logprobs is None  # 0 without logprobs: allowed, nothing
+    with pytest.raises(UnsupportedField, match="top_logprobs: needs logprobs=true") as err:
+        sampling_params(chat(top_logprobs=2), 100)
+    assert err.value.param == "top_logprobs"
 
 
-def test_neutral_values_of_the_missing_fields_pass() -> None:
+def test_completion_logprobs_is_the_count_and_stop_a_string_or_a_list() -> None:
+    p = sampling_params(CompletionRequest(prompt="x", logprobs=0, stop=["a", "bc"]), 100)
+    assert (p.logprobs, p.stop) == (0, ["a", "bc"])
+    assert sampling_params(CompletionRequest(prompt="x"), 100).logprobs is None
+
+
+def test_prompt_logprobs_are_refused_with_stream_as_vllm_does() -> None:
+    with pytest.raises(UnsupportedField, match="not available with stream=true") as err:
+        sampling_params(CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), 100)
+    assert err.value.param == "prompt_logprobs"
+
+
+def test_neutral_values_are_sampling_params_defaults() -> None:
     p = sampling_params(chat(n=1, top_p=1, top_k=-1, min_p=0, presence_penalty=0, frequency_penalty=0,
                              repetition_penalty=1, logit_bias={}, bad_words=[], min_tokens=0, stop=[],
                              include_stop_str_in_output=False, logprobs=False), max_model_len=100)
-    assert p.max_tokens == 100
+    assert p == SamplingParams(max_tokens=100, top_k=-1)
 
 
-def test_the_not_supported_list_names_only_sampling_params_fields_of_vllm() -> None:
-    assert set(NOT_SUPPORTED_YET) == {"n", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                                      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "stop",
-                                      "include_stop_str_in_output", "logprobs", "prompt_logprobs"}
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"stop": ""}, "stop", "stop must be a non-empty string"),
+    ({"stop": ["a", ""]}, "stop", "stop must be a non-empty string"),
+    ({"bad_words": [" "]}, "bad_words", "non-blank strings"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be in [0, max_tokens=4]"),
+    ({"min_tokens": 5, "max_completion_tokens": 4}, "min_tokens", "min_tokens must be in [0, max_completion_tokens=4]"),
+    ({"temperature": 1e39}, "temperature", "float32"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty", "finite in float32"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty", "reciprocal"),
+])
+def test_values_sampling_params_refuse_are_named_by_the_request_field(fields: dict, param: str,
+                                                                      message: str) -> None:
+    with pytest.raises(UnsupportedField) as err:
+        sampling_params(chat(**fields), max_model_len=100)
+    assert err.value.param == param
+    assert str(err.value).startswith(param) and message in str(err.value)
 
 
-def test_logit_bias_keys_must_be_token_ids() -> None:
-    with pytest.raises(UnsupportedField, match="keys must be token ids"):
-        sampling_params(chat(logit_bias={"hello": 1.0}), 100)
+@pytest.mark.parametrize("key", ["hello", "-5", "1.5", " 7", "9223372036854775808", "1" * 5000, "\u0663"])
+def test_logit_bias_keys_must_be_token_ids(key: str) -> None:
+    with pytest.raises(UnsupportedField, match="keys must be token ids") as err:
+        sampling_params(chat(logit_bias={key: 1.0}), 100)
+    assert err.value.param == "logit_bias" and len(str(err.value)) < 200
 
 
 # ---------------------------------------------------------------------------------------------- statistics

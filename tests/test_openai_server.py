@@ -23,11 +23,22 @@ NUM_KV_BLOCKS = 512
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPServer]:
-    with http_server(tiny_qwen3, tmp_path_factory.mktemp("http"), "--max-model-len", "512",
-                     "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--served-model-name", "tiny", "tiny-alias") as s:
+def server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("http")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3: Path, server_dir: Path) -> Iterator[HTTPServer]:
+    with http_server(tiny_qwen3, server_dir, "--max-model-len", "512", "--num-kvcache-blocks", str(NUM_KV_BLOCKS),
+                     "--served-model-name", "tiny", "tiny-alias", "--profile-dir", str(server_dir / "profile"),
+                     "--profile-steps", "none") as s:
         yield s
     assert "Traceback" not in s.stderr(), s.stderr()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3: Path) -> object:
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +107,50 @@ def test_greedy_completion_and_chat_equal_llm_generate_on_the_same_prompt(client
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(chat_ids) and chat.usage.completion_tokens == 12
     assert chat.usage.ttft_s > 0 and chat.usage.tpot_s > 0  # our debugging extras
+
+    # n = 2, a stop string made of the end of one output token and the start of the next, and logprobs: as
+    # LLM.generate gives them with the same parameters.
+    texts = [e["decoded_token"] for e in llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                             ignore_eos=True, logprobs=0),
+                                                      use_tqdm=False)[0]["outputs"][0]["logprobs"]]
+    stop, cut = boundary_stop(texts, want_text["text"])
+    rich = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2, stop=[stop], logprobs=2)
+    want_rich, want_rich_chat = llm.generate([PROMPT, chat_ids], rich, use_tqdm=False)
+    assert want_rich["text"] == want_text["text"][:cut]
+
+    completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                                           stop=stop, logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1]
+    for choice, want in zip(completion.choices, want_rich["outputs"]):
+        assert (choice.text, choice.finish_reason, choice.stop_reason) == (want["text"], "stop", stop)
+        assert choice.logprobs.tokens == [e["decoded_token"] for e in want["logprobs"]]
+        assert choice.logprobs.token_logprobs == pytest.approx([e["logprob"] for e in want["logprobs"]], abs=1e-4)
+        assert [list(top) for top in choice.logprobs.top_logprobs] == [
+            list(dict.fromkeys([e["decoded_token"]] + [t["decoded_token"] for t in e["top"]]))
+            for e in want["logprobs"]]
+    assert completion.usage.completion_tokens == sum(len(o["token_ids"]) for o in want_rich["outputs"])
+
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, n=2, stop=[stop],
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    for choice, want in zip(chat.choices, want_rich_chat["outputs"]):
+        assert (choice.message.content, choice.finish_reason) == (want["text"], want["finish_reason"])
+        assert [(e.token, [t.token for t in e.top_logprobs]) for e in choice.logprobs.content] == [
+            (e["decoded_token"], [t["decoded_token"] for t in e["top"]]) for e in want["logprobs"]]
+        assert [e.logprob for e in choice.logprobs.content] == pytest.approx([e["logprob"] for e in want["logprobs"]],
+                                                                            abs=1e-4)
+
+
+def boundary_stop(token_texts: list[str], text: str) -> tuple[str, int]:
+    """A two-character stop string made of the last character of one output token and the first of the next,
+    whose first occurrence in `text` is there; and where the text ends when cut before it."""
+    for k in range(len(token_texts) - 1):
+        a, b = token_texts[k], token_texts[k + 1]
+        end = len("".join(token_texts[: k + 1]))
+        stop = a[-1:] + b[:1]
+        if (len(stop) == 2 and stop.isprintable() and "\ufffd" not in stop
+                and text.startswith("".join(token_texts[: k + 2])) and text.find(stop) == end - 1):
+            return stop, end - 1
+    raise AssertionError(f"no stop string spans two tokens of {token_texts}")
 
 
 def test_token_id_prompts_and_lists_of_prompts_are_choices_in_order(client: openai.OpenAI,
@@ -168,32 +223,193 @@ def test_fields_at_their_neutral_values_are_accepted(client: openai.OpenAI) -> N
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"n": 2}, "n"),
-    ({"stop": ["\n"]}, "stop"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-    ({"top_p": 0.5}, "top_p"),
-    ({"presence_penalty": 1.0}, "presence_penalty"),
-    ({"frequency_penalty": -0.5}, "frequency_penalty"),
-    ({"logit_bias": {"100": 5}}, "logit_bias"),
-    ({"extra_body": {"top_k": 5}}, "top_k"),
-    ({"extra_body": {"min_p": 0.1}}, "min_p"),
-    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
-    ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
-])
-def test_fields_the_engine_does_not_run_yet_are_refused_naming_them(client: openai.OpenAI, kwargs: dict,
-                                                                     param: str) -> None:
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, **kwargs)
-    assert err.value.status_code == 400
-    assert err.value.body["param"] == param
-    assert "not supported yet" in err.value.body["message"] and err.value.body["message"].startswith(param)
+def test_n_samples_of_each_prompt_are_choices_prompt_times_n_plus_sample_and_a_seed_repeats_them(
+        client: openai.OpenAI) -> None:
+    def sample(seed: int, n: int = 3, prompt: object = PROMPT) -> openai.types.Completion:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=5.0, seed=seed, n=n,
+                                         extra_body={"ignore_eos": True})
+
+    first = sample(11)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert [c.text for c in sample(11).choices] == texts  # same seed, same samples
+    assert len(set(texts)) > 1  # the samples are independent draws
+    assert sample(11, n=1).choices[0].text == texts[0]  # sample 0 draws with the seed itself
+    assert first.usage.completion_tokens == 18 and first.usage.prompt_tokens == sample(1, 1).usage.prompt_tokens
+
+    both = sample(11, n=2, prompt=[PROMPT, "Hello"])
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices[:2]] == texts[:2]
+    assert [c.text for c in both.choices[2:]] == [c.text for c in sample(11, n=2, prompt="Hello").choices]
+    assert both.usage.completion_tokens == 24
+
+
+def test_a_stream_of_n_samples_interleaves_its_choices_each_with_its_own_end_and_counts_them_in_usage(
+        server: HTTPServer) -> None:
+    body = {"model": "tiny", "prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 5, "temperature": 5.0, "seed": 4,
+            "ignore_eos": True, "logprobs": 1}
+    whole = post(server, "/v1/completions", body).json()
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.headers, timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert tokens == choice["logprobs"]["tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 20 == whole["usage"]["completion_tokens"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+def test_a_chat_stream_of_n_samples_opens_every_choice_with_its_role_and_ends_each(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 5, "temperature": 5.0, "seed": 8, "n": 3,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:3]] == [(i, "assistant") for i in range(3)]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [c.finish_reason for c in mine][-1] == "length" and sum(c.finish_reason is not None for c in mine) == 1
+    assert whole.usage.completion_tokens == 15
+
+
+def test_a_stop_string_split_over_tokens_ends_text_and_stream_before_it_with_vllms_stop_reason(
+        client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    stop, cut = boundary_stop(full.logprobs.tokens, full.text)
+    kwargs = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": [stop, "never"],
+              "extra_body": {"ignore_eos": True}}
+    cut_off = client.completions.create(**kwargs).choices[0]
+    assert (cut_off.text, cut_off.finish_reason, cut_off.stop_reason) == (full.text[:cut], "stop", stop)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.text[:cut]  # nothing of the stop string streamed
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop)
+    kept = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True,
+                                                                 "include_stop_str_in_output": True}}).choices[0]
+    assert kept.text == full.text[:cut] + stop
+
+
+def test_stop_reason_is_the_stop_token_id_but_none_at_the_end_of_sequence_token(client: openai.OpenAI,
+                                                                                 tokenizer: object) -> None:
+    eos, other = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert eos != other
+    at_eos = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                       logit_bias={str(eos): 100}).choices[0]
+    assert (at_eos.text, at_eos.finish_reason, at_eos.stop_reason) == ("", "stop", None)
+    by_id = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                      logit_bias={str(other): 100}, extra_body={"stop_token_ids": [other]})
+    assert (by_id.choices[0].finish_reason, by_id.choices[0].stop_reason, by_id.usage.completion_tokens) == (
+        "stop", other, 1)
+    late = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert (late.choices[0].finish_reason, late.usage.completion_tokens) == ("stop", 4)  # masked for 3 tokens
+    ignored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                        logit_bias={str(eos): 100}, extra_body={"ignore_eos": True,
+                                                                               "skip_special_tokens": False})
+    assert (ignored.choices[0].text, ignored.choices[0].finish_reason) == ("<|im_end|>" * 3, "length")
+
+
+def test_filters_penalties_and_bad_words_change_what_is_sampled(client: openai.OpenAI, tokenizer: object) -> None:
+    def tokens(**kwargs: object) -> list[str]:
+        extra = {"ignore_eos": True, **kwargs.pop("extra_body", {})}
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=0, extra_body=extra,
+                                         **kwargs).choices[0].logprobs.tokens
+
+    greedy = tokens(temperature=0)
+    assert tokens(temperature=5.0, seed=1, extra_body={"top_k": 1}) == greedy  # one candidate left: the argmax
+    assert tokens(temperature=5.0, seed=1, top_p=1e-6) == greedy
+    assert tokens(temperature=5.0, seed=1, extra_body={"min_p": 1.0}) == greedy
+    assert tokens(temperature=5.0, seed=1) != greedy
+    assert tokens(temperature=0, extra_body={"bad_words": [greedy[0].strip()]})[0] != greedy[0]
+    # A huge repetition penalty leaves no token of the prompt or of the output so far a chance.
+    unrepeated = tokens(temperature=0, extra_body={"repetition_penalty": 1e30})
+    assert len(set(unrepeated)) == len(unrepeated)
+    assert not set(unrepeated) & {tokenizer.decode([i]) for i in tokenizer(PROMPT)["input_ids"]}
+    penalized = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                          presence_penalty=2.0, frequency_penalty=-2.0, extra_body={"ignore_eos": True})
+    assert penalized.usage.completion_tokens == 8
+
+
+def test_completion_logprobs_are_openais_tokens_logprobs_top_dicts_and_offsets(client: openai.OpenAI) -> None:
+    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob == max(top.values())  # greedy: the sampled token is the most likely
+        assert 3 <= len(top) <= 4 and logprob <= 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_chat_logprobs_are_openais_content_entries_also_when_streamed(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True,
+              "top_logprobs": 3, "extra_body": {"ignore_eos": True}}
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 6
+    for e in content:
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert (e.token, e.logprob) == (e.top_logprobs[0].token, e.top_logprobs[0].logprob) and len(e.top_logprobs) == 3
+        assert e.bytes == list(e.token.encode()) and all(t.bytes == list(t.token.encode()) for t in e.top_logprobs)
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**kwargs, "top_logprobs": None}).choices[0].logprobs.content
+    assert [e.token for e in plain] == [e.token for e in content] and all(e.top_logprobs == [] for e in plain)
+
+
+def test_prompt_logprobs_are_vllms_per_prompt_token_and_refused_when_streaming(server: HTTPServer,
+                                                                               tokenizer: object) -> None:
+    ids = tokenizer(PROMPT)["input_ids"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2, "n": 2}
+    choices = post(server, "/v1/completions", body).json()["choices"]
+    for choice in choices:
+        got = choice["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        for token_id, position in zip(ids[1:], got[1:]):
+            assert position[str(token_id)]["rank"] >= 1 and 2 <= len(position) <= 3
+            assert sorted(p["rank"] for p in position.values() if p["rank"] <= 2)[:2] == [1, 2]
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 2,
+                                                  "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
+    refused = post(server, "/v1/completions", {**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_start_and_stop_profile_trace_the_engine_and_need_the_key(server: HTTPServer, client: openai.OpenAI,
+                                                                  server_dir: Path) -> None:
+    url = server.url
+    assert httpx.post(f"{url}/start_profile", timeout=60).status_code == 401
+    started = httpx.post(f"{url}/start_profile", headers=server.headers, timeout=60)
+    assert started.status_code == 200, started.text
+    session = started.json()
+    assert session["folder"].startswith(str(server_dir / "profile")) and session["last_step"] >= session["first_step"]
+    again = httpx.post(f"{url}/start_profile", headers=server.headers, timeout=60)
+    assert again.status_code == 400 and again.json()["error"]["code"] == "profiling_refused"
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+    stopped = httpx.post(f"{url}/stop_profile", headers=server.headers, timeout=300)
+    assert stopped.status_code == 200, stopped.text
+    summary = stopped.json()
+    assert summary["session"] == session["session"] and "deltaserve profile" in summary["summary"]
+    assert (Path(summary["folder"]) / "timeline.json.gz").is_file()
+    idle_stop = httpx.post(f"{url}/stop_profile", headers=server.headers, timeout=60)
+    assert idle_stop.status_code == 400 and "not profiling" in idle_stop.json()["error"]["message"]
+    bad = post(server, "/start_profile", {"num_steps": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_steps"
+    bounded = post(server, "/start_profile", {"num_steps": 2})
+    assert bounded.status_code == 200 and bounded.json()["last_step"] == bounded.json()["first_step"] + 1
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)  # the session ends after its 2 steps
+    assert "Traceback" not in server.stderr()
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-                                               ({"logprobs": 2}, "logprobs"), ({"best_of": 2}, "best_of")])
-def test_completion_echo_suffix_logprobs_are_refused_clearly(client: openai.OpenAI, kwargs: dict,
+                                               ({"best_of": 2}, "best_of")])
+def test_completion_echo_suffix_and_best_of_are_refused_clearly(client: openai.OpenAI, kwargs: dict,
                                                              param: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, **kwargs)
@@ -251,6 +467,46 @@ BAD_COMPLETIONS = [
     ({"prompt": [151669]}, "prompt", "[0, 151669)"),
     ({"prompt": [2**63 - 1]}, "prompt", "[0, 151669)"),
     ({}, "prompt", "Field required"),
+    # the sampling fields of issue 11: wrong types, ranges and huge values
+    ({"prompt": "x", "n": 129}, "n", "less than or equal to 128"),
+    ({"prompt": "x", "n": "two"}, "n", "valid integer"),
+    ({"prompt": "x", "n": 2.5}, "n", "valid integer"),
+    ({"prompt": "x", "seed": 1.5}, "seed", "valid integer"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
+    ({"prompt": "x", "top_k": 10**30}, "top_k", "less than 9223372036854775808"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p", "greater than or equal to 0"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty", "finite in float32"),
+    ({"prompt": "x", "temperature": 1e300}, "temperature", "float32"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+    ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "valid number"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"prompt": "x", "logit_bias": {"5": "big"}}, "logit_bias", "valid number"),
+    ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"151669": 1}}, "logit_bias", "[0, 151669)"),  # refused by the engine
+    ({"prompt": "x", "logit_bias": [1, 2]}, "logit_bias", "valid dictionary"),
+    ({"prompt": "x", "stop": ""}, "stop", "non-empty"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop", "non-empty"),
+    ({"prompt": "x", "stop": 5}, "stop", "none of the accepted types"),
+    ({"prompt": "x", "stop": ["a", 5]}, "stop", "none of the accepted types"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available with stream=true"),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens", "max_tokens=2"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words", "non-blank"),
+    ({"prompt": "x", "bad_words": "word"}, "bad_words", "valid list"),
+    ({"prompt": "x", "include_stop_str_in_output": "maybe"}, "include_stop_str_in_output", "valid boolean"),
+    ({"prompt": "x", "ignore_eos": 2}, "ignore_eos", "valid boolean"),
+    ({"prompt": "x", "skip_special_tokens": []}, "skip_special_tokens", "valid boolean"),
+    ({"prompt": "x", "user": 5}, "user", "valid string"),
+    ({"prompt": "x", "min_tokens": 10**30}, "min_tokens", "less than 9223372036854775808"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids", "less than 9223372036854775808"),
+    ({"prompt": "x", "presence_penalty": 1e300}, "presence_penalty", "less than or equal to 2"),
+    ({"prompt": "x", "logit_bias": {"5": 1e300}}, "logit_bias", "less than or equal to 100"),
 ]
 
 
@@ -275,6 +531,15 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only type 'text'"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    ({"messages": CHAT, "logprobs": "maybe"}, "logprobs", "valid boolean"),
+    ({"messages": CHAT, "n": 0}, "n", "greater than or equal to 1"),
+    ({"messages": CHAT, "stop": [""]}, "stop", "non-empty"),
+    ({"messages": CHAT, "max_tokens": 4, "min_tokens": 9}, "min_tokens", "max_tokens=4"),
+    ({"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 9}, "min_tokens", "max_completion_tokens=3"),
+    ({"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream=true"),
+    ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
 ]
 
 
@@ -286,13 +551,23 @@ def test_bad_chat_fields_are_a_400_naming_the_field(server: HTTPServer, body: di
     assert error["param"] == param and message in error["message"], error
 
 
-@pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
-                                 b'{"prompt": "x", "max_tokens": -Infinity}'])
-def test_nan_and_infinite_numbers_are_refused(server: HTTPServer, raw: bytes) -> None:
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": Infinity}', "temperature"),
+    (b'{"prompt": "x", "max_tokens": -Infinity}', "max_tokens"), (b'{"prompt": "x", "top_p": NaN}', "top_p"),
+    (b'{"prompt": "x", "min_p": NaN}', "min_p"),
+    (b'{"prompt": "x", "frequency_penalty": Infinity}', "frequency_penalty"),
+    (b'{"prompt": "x", "presence_penalty": -Infinity}', "presence_penalty"),
+    (b'{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias"), (b'{"prompt": "x", "n": NaN}', "n"),
+    (b'{"prompt": "x", "top_k": Infinity}', "top_k"), (b'{"prompt": "x", "logprobs": NaN}', "logprobs"),
+])
+def test_nan_and_infinite_numbers_are_refused_naming_the_field(server: HTTPServer, raw: bytes, param: str) -> None:
     response = post(server, "/v1/completions", raw)
     assert response.status_code == 400
-    assert "finite number" in response.json()["error"]["message"] or "valid integer" in response.json()["error"][
-        "message"]
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)
+    assert "finite number" in error["message"] or "valid integer" in error["message"]
 
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -362,8 +637,10 @@ def test_unknown_routes_and_methods_answer_openai_errors(server: HTTPServer) -> 
 
 
 def test_the_server_keeps_serving_after_every_bad_request(client: openai.OpenAI, server: HTTPServer) -> None:
-    for body, _, _ in BAD_COMPLETIONS[:5]:
-        post(server, "/v1/completions", body)
+    for body, _, _ in BAD_COMPLETIONS:
+        assert post(server, "/v1/completions", body).status_code == 400
+    for body, _, _ in BAD_CHATS:
+        assert post(server, "/v1/chat/completions", body).status_code == 400
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
     assert "Traceback" not in server.stderr()
@@ -385,6 +662,21 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted_and_its_bl
     assert after["deltaserve:request_success_total{finished_reason=abort}"] == before[
         "deltaserve:request_success_total{finished_reason=abort}"] + 1
     assert after["deltaserve:generation_tokens_total"] - before["deltaserve:generation_tokens_total"] < 400
+
+
+def test_a_client_that_leaves_a_stream_of_several_samples_has_every_sample_aborted(server: HTTPServer) -> None:
+    before = server.wait_metrics(idle)
+    key = "deltaserve:request_success_total{finished_reason=abort}"
+    body = {"model": "tiny", "messages": CHAT, "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "logprobs": True, "top_logprobs": 2}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers,
+                      timeout=120) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+        assert server.metrics()["deltaserve:kv_cache_usage_perc"] > 0
+    after = server.wait_metrics(lambda m: idle(m) and m[key] > before[key])
+    assert after[key] == before[key] + 1
+    assert after["deltaserve:generation_tokens_total"] - before["deltaserve:generation_tokens_total"] < 3 * 400
 
 
 def test_a_client_that_gives_up_on_a_non_streamed_request_has_it_aborted(server: HTTPServer) -> None:

@@ -1,42 +1,35 @@
 """OpenAI request fields -> the engine's `SamplingParams`, in one function.
 
-Every sampling field an OpenAI or vLLM client may send is declared in `schema.py`; `sampling_params` maps
-each to vLLM's `SamplingParams` name. The fields the engine does not run yet are listed in
-`NOT_SUPPORTED_YET`: a request that gives one of them anything but its neutral value (n=1, top_p=1,
-penalties 0, ...) is refused with a 400 naming the field, instead of being run as if it had not been sent.
-Switching one on is deleting its line there once `SamplingParams` has the field (for `n` and `logprobs`
-the response builders in `routes.py` must learn per-sample outputs as well).
+Every sampling field an OpenAI or vLLM client may send is declared in `schema.py` (pydantic checks types
+and the ranges OpenAI documents); `sampling_params` maps each to vLLM's `SamplingParams` name with
+OpenAI's and vLLM's meaning, and `SamplingParams` checks the rest (float32 limits, min_tokens <=
+max_tokens, non-empty stop strings). Field names that differ between the two:
+
+- `max_completion_tokens` (chat; OpenAI's newer name) wins over `max_tokens`; both mean `max_tokens`.
+- `logprobs`: for completions the number of top tokens (0..20); for chat a bool, with the number in
+  `top_logprobs` (0..20), which needs `logprobs: true` as in OpenAI and vLLM.
+- `logit_bias`: keys are token ids written as strings (JSON object keys), as OpenAI sends them.
+- `stop`: a string or a list of strings.
+
+vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `skip_special_tokens`,
+`include_stop_str_in_output`, `stop_token_ids`, `bad_words`, `prompt_logprobs`) keep their names. As in
+vLLM, `prompt_logprobs` is refused with `stream: true`. `user` is accepted and used for nothing.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Any
 
 from common.sampling_params import SamplingParams
 from frontend.openai.schema import ChatCompletionRequest, CompletionRequest
 
-# vLLM's SamplingParams names -> the value that means "off"; these fields are refused unless off.
-NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "top_p": (1.0,),
-    "top_k": (0, -1),
-    "min_p": (0.0,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "logit_bias": ({},),
-    "bad_words": ([],),
-    "min_tokens": (0,),
-    "stop": ([],),
-    "include_stop_str_in_output": (False,),
-    "logprobs": (None,),
-    "prompt_logprobs": (None,),
-}
+MAX_TOKEN_ID_DIGITS = 19  # 2**63 - 1 has 19 digits: a longer logit_bias key is no token id (and int() may refuse it)
 
 
 class UnsupportedField(ValueError):
-    """A request field the engine cannot honour (yet); `param` is its name in the request."""
+    """A request field whose value the engine cannot run: out of range, or not allowed with another field.
+    `param` is its name in the request; the message starts with it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -44,22 +37,26 @@ class UnsupportedField(ValueError):
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_model_len: int) -> SamplingParams:
-    """The `SamplingParams` of one OpenAI request (per prompt; `n` samples of each once supported).
+    """The `SamplingParams` of one OpenAI request (the same for each of its prompts; `n` samples each).
 
-    Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and, for chat, as many as fit in
-    `max_model_len` (the engine stops a request at `max_model_len` tokens in all, finish reason "length").
-    Raises `UnsupportedField` for a field set to a value the engine does not run (naming the request's own
-    field name), and `ValueError` (starting with the field's name) for a value `SamplingParams` refuses.
+    Defaults are OpenAI's: temperature 1, n 1, max_tokens 16 for completions and, for chat, as many as
+    fit in `max_model_len` (the engine stops a request at `max_model_len` tokens in all, finish reason
+    "length"). Raises `UnsupportedField`, naming the request's own field name, for a value the engine
+    refuses or a combination OpenAI and vLLM refuse.
     """
     chat = isinstance(req, ChatCompletionRequest)
     if chat:
+        if req.top_logprobs and not req.logprobs:
+            raise UnsupportedField("top_logprobs", f"top_logprobs: needs logprobs=true (got top_logprobs="
+                                                   f"{req.top_logprobs} without it)")
         max_tokens = req.max_completion_tokens or req.max_tokens or max_model_len
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        logprobs_field = "logprobs" if req.top_logprobs is None else "top_logprobs"
     else:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        logprobs, logprobs_field = req.logprobs, "logprobs"
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        logprobs = req.logprobs
+    if req.prompt_logprobs is not None and req.stream:
+        raise UnsupportedField("prompt_logprobs", "prompt_logprobs: not available with stream=true (as in vLLM); "
+                                                  "ask for them without streaming")
     given: dict[str, Any] = {  # vLLM name -> value
         "n": req.n if req.n is not None else 1,
         "temperature": req.temperature if req.temperature is not None else 1.0,
@@ -70,9 +67,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_model_le
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         "logit_bias": _logit_bias(req.logit_bias),
-        "bad_words": list(req.bad_words or []),
+        "bad_words": list(req.bad_words) if req.bad_words else None,
         "min_tokens": req.min_tokens,
-        "stop": stop,
+        "stop": [req.stop] if isinstance(req.stop, str) else (list(req.stop) if req.stop else None),
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
         "prompt_logprobs": req.prompt_logprobs,
@@ -82,25 +79,27 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_model_le
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
     }
-    request_names = {"logprobs": logprobs_field, "max_tokens": "max_completion_tokens" if chat and
-                     req.max_completion_tokens else "max_tokens"}
-    for name, off in NOT_SUPPORTED_YET.items():
-        value = given.pop(name)
-        if value not in off:
-            field = request_names.get(name, name)
-            raise UnsupportedField(field, f"{field}: not supported yet by this engine (got {json.dumps(value)}; "
-                                          f"only {json.dumps(off[0])} is accepted for now)")
+    request_names = {"logprobs": "top_logprobs" if chat else "logprobs",
+                     "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"}
     try:
         return SamplingParams(**given)
-    except ValueError as exc:  # the message starts with the vLLM name: say the request's own
-        name, _, rest = str(exc).partition(" ")
-        raise UnsupportedField(request_names.get(name, name), f"{request_names.get(name, name)} {rest}") from None
+    except ValueError as exc:  # the message starts with the vLLM name (maybe "logit_bias[7]"): say the request's
+        message = str(exc)
+        name = re.match(r"[a-z_]*", message).group(0)  # type: ignore[union-attr]
+        field = request_names.get(name, name)
+        rest = message[len(name):].replace("max_tokens=", request_names["max_tokens"] + "=")  # min_tokens' bound
+        raise UnsupportedField(field, field + rest) from None
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias map (token id as a string -> bias) keyed by int token ids. Raises
-    `UnsupportedField` for a key that is not a token id."""
-    bad = next((k for k in bias or {} if not (k.isascii() and k.isdigit()) or int(k) >= 2**63), None)
+    `UnsupportedField` for a key that is not a token id (digits, below 2**63)."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit()) or len(k) > MAX_TOKEN_ID_DIGITS
+                or int(k) >= 2**63), None)
     if bad is not None:
-        raise UnsupportedField("logit_bias", f"logit_bias: keys must be token ids (digits), got {bad!r}")
-    return {int(k): v for k, v in (bias or {}).items()}
+        shown = bad if len(bad) <= 40 else f"{bad[:40]}... ({len(bad)} characters)"
+        raise UnsupportedField("logit_bias", f"logit_bias: keys must be token ids (decimal digits, below 2**63), "
+                                             f"got {shown!r}")
+    return {int(k): v for k, v in bias.items()}

@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP API: FastAPI routes over one `AsyncEngineClient`.
 
-Each HTTP request becomes one engine request per prompt (`GenerateRequest`), sent to the frontend over
-ZeroMQ; the frontend tokenizes, validates and detokenizes, so this process holds no tokenizer (the
-frontend is one process for every client, and keeping tokenization there keeps one definition of a
-prompt's tokens; the HTTP process only parses JSON, maps fields and writes chunks). Streams are
-Server-Sent Events as OpenAI sends them. A client that disconnects has its requests aborted at once.
+Each HTTP request becomes one engine request per prompt (`GenerateRequest`, with `n` samples), sent to
+the frontend over ZeroMQ; the frontend tokenizes, validates and detokenizes (token texts of logprobs
+included), so this process holds no tokenizer (the frontend is one process for every client, and keeping
+tokenization there keeps one definition of a prompt's tokens; the HTTP process only parses JSON, maps
+fields (`params.py`) and writes bodies and chunks (`responses.py`)). Streams are Server-Sent Events as
+OpenAI sends them. A client that disconnects has its requests aborted at once. `/start_profile` and
+`/stop_profile` (vLLM's routes) run the engine's profiling sessions.
 
 Errors are OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad field or a
-prompt the engine refuses, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or
+prompt the engine refuses, 401 for a missing or wrong API key on /v1 routes and the profiling routes, 404
+for an unknown model or
 route, 413 for a body over the size limit, 503 while the engine starts or goes down. Nothing a client
 sends yields a traceback.
 """
@@ -31,10 +34,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.protocol import ERROR_ENGINE_DOWN, ERROR_INVALID_REQUEST, GenerateRequest, RequestOutput
-from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream
+from common.protocol import ERROR_ENGINE_DOWN, ERROR_INVALID_REQUEST, GenerateRequest, ProfileStatus, RequestOutput
+from common.sampling_params import SamplingParams
+from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream, merge_outputs
 from frontend.openai import metrics
 from frontend.openai.params import UnsupportedField, sampling_params
+from frontend.openai.responses import (
+    SSE_DONE,
+    ChatChunks,
+    Choices,
+    ChunkWriter,
+    CompletionChunks,
+    chat_response,
+    completion_response,
+    sse,
+)
 from frontend.openai.schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,12 +60,17 @@ from frontend.openai.schema import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ProfileResponse,
+    StartProfileRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
 
 log = logging.getLogger("deltaserve.http")
+SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+# Routes outside /v1 that need the API key too: a profiling session writes files on the server and slows it.
+KEYED_ROUTES = frozenset({"/start_profile", "/stop_profile"})
 
 
 class APIError(Exception):
@@ -88,8 +107,8 @@ class ClientGone(Exception):
 
 # ---------------------------------------------------------------------------------------------- middleware
 class GuardMiddleware:
-    """Pure ASGI middleware: the API key on /v1 routes (401) and the request-body size limit (413), both
-    answered before the body is read or parsed."""
+    """Pure ASGI middleware: the API key on /v1 routes and the profiling routes (401) and the request-body
+    size limit (413), both answered before the body is read or parsed."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
@@ -101,7 +120,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.bearer is not None and scope["path"].startswith("/v1"):
+        if self.bearer is not None and (scope["path"].startswith("/v1") or scope["path"] in KEYED_ROUTES):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.bearer):
                 what = "wrong" if given else "missing"
@@ -228,9 +247,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def engine_error(out: RequestOutput, param: str) -> APIError:
-    """The HTTP error for a request the engine ended with an error."""
+    """The HTTP error for a request the engine ended with an error. `param` is the field an invalid
+    request is blamed on (the prompt), unless the engine's message starts with a sampling field's name
+    ("n must be in [1, max_num_seqs=256] ...", "logit_bias keys must be token ids in [0, 151669) ...")."""
     if out.error_type == ERROR_INVALID_REQUEST:
-        return APIError(400, f"{param}: {out.error or 'invalid'}", param=param)
+        message = out.error or "invalid"
+        named = re.match(r"[a-z_]+", message)
+        if named is not None and named.group(0) in SAMPLING_FIELDS:
+            return APIError(400, message, param=named.group(0))
+        return APIError(400, f"{param}: {message}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
         return unavailable(out.error)
     return APIError(500, out.error or "the engine failed this request", "server_error")
@@ -267,13 +292,10 @@ async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     """The finished output of every stream (requests sent with stream=False have only that one)."""
     outs = []
     for s in streams:
-        out = await s.next_output()
-        while not out.finished:  # defensive: a streamed request's deltas are joined
-            nxt = await s.next_output()
-            out = RequestOutput(out.request_id, out.text + nxt.text, out.token_ids + nxt.token_ids, nxt.finished,
-                                nxt.finish_reason, nxt.error, nxt.num_prompt_tokens, nxt.num_cached_tokens,
-                                nxt.metrics, nxt.error_type)
-        outs.append(out)
+        parts = [await s.next_output()]
+        while not parts[-1].finished:  # defensive: a streamed request's deltas are joined
+            parts.append(await s.next_output())
+        outs.append(merge_outputs(parts))
     return outs
 
 
@@ -303,26 +325,11 @@ async def fan_in(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
-def finish_reason(reason: str | None) -> str | None:
-    return reason  # the engine's "stop" and "length" are OpenAI's; "abort" only reaches a client that left
+def failed(out: RequestOutput) -> bool:
+    """Whether the engine ended this request with an error (a refusal, or the engine going down)."""
+    return out.error is not None or any(s.finish_reason == "error" for s in out.outputs)
 
 
-def usage(outs: list[RequestOutput], num_output_tokens: list[int]) -> dict[str, Any]:
-    prompt = sum(o.num_prompt_tokens for o in outs)
-    completion = sum(num_output_tokens)
-    ttfts = [o.metrics["ttft_s"] for o in outs if o.metrics.get("ttft_s")]
-    tpots = [(o.metrics["e2e_s"] - o.metrics["ttft_s"]) / (n - 1) for o, n in zip(outs, num_output_tokens)
-             if n > 1 and "e2e_s" in o.metrics and "ttft_s" in o.metrics]
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
-            "ttft_s": max(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None}
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -456,29 +463,37 @@ def build_app(state: ServerState) -> FastAPI:
 
     # ------------------------------------------------------------------ generation
     async def run(request: Request, requests: list[GenerateRequest], stream: bool, param: str,
-                  respond: Callable[[list[RequestOutput]], dict[str, Any]],
-                  chunks: Callable[[list[RequestStream], list[RequestOutput]], AsyncIterator[str]]) -> Response:
-        """Submit `requests`; answer with `respond(final outputs)` as JSON, or stream `chunks(streams, first
-        outputs)` as SSE. A request refused by the engine is an error status, also when streaming: the
-        stream starts only once every request has produced its first output."""
+                  respond: Callable[[list[RequestOutput]], dict[str, Any]], writer: ChunkWriter) -> Response:
+        """Submit `requests` (one per prompt); answer with `respond(final outputs)` as JSON, or stream the
+        chunks of `writer` as SSE. A request refused by the engine is an error status naming `param` (or
+        the sampling field the engine names), also when streaming: the stream starts only once every
+        request has produced its first output."""
         streams = submit(requests)
         handed_over = False
         try:
             outs = await until_disconnect(request, first_outputs(streams) if stream else final_outputs(streams))
-            bad = next((o for o in outs if o.finish_reason == "error"), None)
+            bad = next((o for o in outs if failed(o)), None)
             if bad is not None:
                 raise engine_error(bad, param)
             if not stream:
                 return JSONResponse(respond(outs))
             handed_over = True
-            return StreamingResponse(_closing(chunks(streams, outs), streams), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(_closing(stream_events(streams, outs, writer, param), streams),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         except ClientGone:
             return Response(status_code=499)
         finally:
             if not handed_over:
                 for s in streams:
                     s.close()
+
+    def choices_of(num_prompts: int, sampling: dict[str, Any]) -> Choices:
+        return Choices(num_prompts, sampling["n"], engine_info().info.get("eos_token_id"))
+
+    def stream_flags(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) of a request's stream_options."""
+        options = req.stream_options
+        return bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -506,50 +521,12 @@ def build_app(state: ServerState) -> FastAPI:
             else:
                 gen.prompt_token_ids = list(p)
             requests.append(gen)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-        def respond(outs: list[RequestOutput]) -> dict[str, Any]:
-            choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": finish_reason(o.finish_reason),
-                        "stop_reason": None} for i, o in enumerate(outs)]
-            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                    "system_fingerprint": None, "usage": usage(outs, [len(o.token_ids) for o in outs])}
-
-        async def chunks(streams: list[RequestStream], firsts: list[RequestOutput]) -> AsyncIterator[str]:
-            base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-            counts = [0] * len(streams)
-            finals: list[RequestOutput | None] = [None] * len(streams)
-
-            def chunk(i: int, out: RequestOutput) -> list[str]:
-                counts[i] += len(out.token_ids)
-                events = []
-                extra = {"usage": usage([o for o in finals if o] or [out], counts)} if continuous else (
-                    {"usage": None} if include_usage else {})
-                if out.text or not out.finished:
-                    events.append(sse({**base, "choices": [{"index": i, "text": out.text, "logprobs": None,
-                                                            "finish_reason": None}], **extra}))
-                if out.finished:
-                    finals[i] = out
-                    if out.finish_reason == "error":
-                        events.append(sse(engine_error(out, "prompt").body()))
-                    else:
-                        events.append(sse({**base, "choices": [{"index": i, "text": "", "logprobs": None,
-                                                                "finish_reason": finish_reason(out.finish_reason),
-                                                                "stop_reason": None}], **extra}))
-                return events
-
-            for i, out in enumerate(firsts):
-                for event in chunk(i, out):
-                    yield event
-            async for i, out in fan_in(streams):
-                for event in chunk(i, out):
-                    yield event
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage([o for o in finals if o], counts)})
-            yield SSE_DONE
-
-        return await run(request, requests, bool(req.stream), "prompt", respond, chunks)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        choices = choices_of(len(prompts), sampling)
+        writer = CompletionChunks(head, choices, *stream_flags(req))
+        return await run(request, requests, bool(req.stream), "prompt",
+                         lambda outs: completion_response(head, outs, choices), writer)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -566,53 +543,61 @@ def build_app(state: ServerState) -> FastAPI:
                               stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
                               add_special_tokens=req.add_special_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        choices = choices_of(1, sampling)
+        writer = ChatChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "system_fingerprint": None}, choices, *stream_flags(req))
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
+        return await run(request, [gen], bool(req.stream), "messages",
+                         lambda outs: chat_response(head, outs[0], choices), writer)
 
-        def respond(outs: list[RequestOutput]) -> dict[str, Any]:
-            (out,) = outs
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason(out.finish_reason), "stop_reason": None}
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-                    "system_fingerprint": None, "usage": usage(outs, [len(out.token_ids)])}
+    # ------------------------------------------------------------------ profiling (vLLM's routes)
+    @app.post("/start_profile", response_model=ProfileResponse,
+              summary="Trace every engine process from the next step (the engine needs --profile-dir)")
+    async def start_profile(req: StartProfileRequest | None = None) -> ProfileResponse:
+        num_steps = req.num_steps if req is not None else 0
+        return await profile_request(lambda: client.start_profile(num_steps))
 
-        async def chunks(streams: list[RequestStream], firsts: list[RequestOutput]) -> AsyncIterator[str]:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": None}
-            count = 0
-            tail = {"usage": None} if include_usage else {}
+    @app.post("/stop_profile", response_model=ProfileResponse,
+              summary="Stop the trace after the last step planned; answers once the files are written and merged")
+    async def stop_profile() -> ProfileResponse:
+        return await profile_request(client.stop_profile)
 
-            def extra(out: RequestOutput) -> dict[str, Any]:
-                return {"usage": usage([out], [count])} if continuous else tail
-
-            def delta(out: RequestOutput) -> str:
-                return sse({**base, "choices": [{"index": 0, "delta": {"content": out.text}, "logprobs": None,
-                                                 "finish_reason": None}], **extra(out)})
-
-            out = firsts[0]
-            count += len(out.token_ids)
-            yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **extra(out)})
-            while True:
-                if out.text:
-                    yield delta(out)
-                if out.finished:
-                    break
-                out = await streams[0].next_output()
-                count += len(out.token_ids)
-            if out.finish_reason == "error":
-                yield sse(engine_error(out, "messages").body())
-            else:
-                yield sse({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                "finish_reason": finish_reason(out.finish_reason),
-                                                "stop_reason": None}], **extra(out)})
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage([out], [count])})
-            yield SSE_DONE
-
-        return await run(request, [gen], bool(req.stream), "messages", respond, chunks)
+    async def profile_request(ask: Callable[[], Awaitable[ProfileStatus]]) -> ProfileResponse:
+        engine_info()
+        try:
+            status = await ask()
+        except (EngineUnavailable, TimeoutError) as exc:
+            raise unavailable(str(exc) or "the engine did not answer in time") from None
+        if status.error is not None:
+            raise APIError(400, status.error, code="profiling_refused")
+        return ProfileResponse(session=status.session, first_step=status.first_step, last_step=status.last_step,
+                               folder=status.folder, summary=status.summary or None)
 
     return app
+
+
+async def stream_events(streams: list[RequestStream], firsts: list[RequestOutput], writer: ChunkWriter,
+                        param: str) -> AsyncIterator[str]:
+    """The SSE events of a streamed response: `writer`'s chunks for `firsts` (each stream's first output)
+    and every later output, then its closing chunks and `[DONE]`. A request the engine ends with an error
+    (it went down) adds an error event instead of its remaining chunks, and the usage chunk is left out."""
+    errors = 0
+    for event in writer.opening(firsts):
+        yield event
+    for i, out in enumerate(firsts):
+        for event in writer.news(i, out):
+            yield event
+    async for i, out in fan_in(streams):
+        if failed(out):
+            errors += 1
+            yield sse(engine_error(out, param).body())
+            continue
+        for event in writer.news(i, out):
+            yield event
+    if not errors:
+        for event in writer.closing():
+            yield event
+    yield SSE_DONE
 
 
 async def _closing(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:

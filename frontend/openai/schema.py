@@ -48,7 +48,7 @@ class SamplingFields(RequestModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None  # None: 1.0
     user: str | None = None  # accepted and logged nowhere
     # vLLM's extra sampling fields
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    top_k: Annotated[int, Field(ge=-1, lt=INT64_LIMIT)] | None = None  # -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0, lt=INT64_LIMIT)] = 0
@@ -57,7 +57,7 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # not with stream=true (vLLM)
 
 
 class CompletionRequest(SamplingFields):
@@ -123,6 +123,13 @@ class DetokenizeRequest(RequestModel):
     tokens: list[TokenId]
 
 
+class StartProfileRequest(RequestModel):
+    """POST /start_profile (vLLM's route; the body is optional): trace at most `num_steps` steps, 0 = as
+    many as the engine's --profile-steps window holds."""
+
+    num_steps: Annotated[int, Field(ge=0, lt=2**31)] = 0
+
+
 # ---------------------------------------------------------------------------------------------- responses
 class ErrorInfo(ResponseModel):
     message: str
@@ -140,8 +147,9 @@ class PromptTokensDetails(ResponseModel):
 
 
 class Usage(ResponseModel):
-    """Token counts; `ttft_s` and `tpot_s` (seconds, as the engine measured them) are our extras, for
-    debugging: with several choices, the slowest first token and the mean time per output token."""
+    """Token counts: `prompt_tokens` counts each prompt once (whatever `n`), `completion_tokens` the tokens of
+    every choice. `ttft_s` and `tpot_s` (seconds, as the engine measured them) are our extras, for debugging:
+    with several prompts, the slowest first token and the mean time per output token."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -151,12 +159,37 @@ class Usage(ResponseModel):
     tpot_s: float | None = None
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's entry for one token at a prompt position."""
+
+    logprob: float  # natural log; -9999.0 stands for -inf
+    rank: int  # 1 = the most likely token there
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: PromptLogprob} holding the
+# prompt token and the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(ResponseModel):
+    """OpenAI's (legacy) completion logprobs, one entry per output token: its text, its logprob, the most
+    likely tokens there ({text: logprob}, the sampled token first, up to `logprobs` + 1 entries), and the
+    character offset of the token in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(ResponseModel):
-    index: int
+    index: int  # prompt index * n + sample index
     text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None  # "stop" or "length"
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id; None at EOS or length
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -175,12 +208,27 @@ class AssistantMessage(ResponseModel):
     refusal: str | None = None
 
 
+class TopLogprobEntry(ResponseModel):
+    token: str
+    logprob: float  # natural log; -9999.0 stands for -inf
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]  # the `top_logprobs` most likely tokens, most likely first
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] | None = None  # one entry per output token
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(ResponseModel):
-    index: int
+    index: int  # the sample index, 0 .. n - 1
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None  # "stop" or "length"
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id; None at EOS or length
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -191,6 +239,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(ResponseModel):
@@ -219,3 +268,14 @@ class DetokenizeResponse(ResponseModel):
 
 class VersionResponse(ResponseModel):
     version: str
+
+
+class ProfileResponse(ResponseModel):
+    """A profiling session: its number, its first and last step (the last is an upper bound until it
+    stops), its folder, and once stopped the summary table (also in <folder>/summary.txt)."""
+
+    session: int
+    first_step: int
+    last_step: int
+    folder: str
+    summary: str | None = None

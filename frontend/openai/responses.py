@@ -1,0 +1,232 @@
+"""OpenAI's response bodies and stream chunks, built from the engine's `RequestOutput`s.
+
+An HTTP request runs one engine request per prompt, each with `n` samples. Choice `prompt * n + sample`
+is sample `sample` of prompt `prompt` (vLLM's numbering: a completion of two prompts with n = 3 has
+choices 0..5, the first three of the first prompt); chat has one prompt, so its choices are the samples.
+
+Streams interleave the choices as OpenAI does: every chunk holds one choice, tagged with its `index`, in
+the order the engine produced the text; each choice ends with its own chunk carrying its `finish_reason`
+(and vLLM's `stop_reason`). Chat streams open with a role chunk per choice.
+
+Logprobs take OpenAI's shapes (vLLM's, where OpenAI has none):
+- chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+  bytes}]}], "refusal": None}`, the top entries most likely first;
+- completions: `choices[i].logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`, where each
+  `top_logprobs` entry maps token text to logprob, the sampled token first (up to `logprobs` + 1
+  entries), and `text_offset` is each token's character offset in the choice's text, as the token texts
+  add up (vLLM's rule);
+- `prompt_logprobs` (vLLM): per prompt token, None for the first, else `{token id: {logprob, rank,
+  decoded_token}}` with the prompt token and the top N; in each completion choice, at the top of a chat
+  response.
+JSON has no infinity: a logprob of -inf is written as -9999.0, as OpenAI and vLLM write it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.protocol import PositionLogprobs, RequestOutput, SampleOutput
+
+LOGPROB_FLOOR = -9999.0
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One Server-Sent Event carrying `data` as compact JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def logprob_value(logprob: float) -> float:
+    """`logprob` as JSON can carry it: -inf (and NaN) become `LOGPROB_FLOOR`."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(entries: list[PositionLogprobs]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for these output tokens."""
+    return {"content": [{**_token_entry(e.decoded_token, e.logprob),
+                         "top_logprobs": [_token_entry(t.decoded_token, t.logprob) for t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[PositionLogprobs], text_offset: int) -> dict[str, Any]:
+    """OpenAI's completion `logprobs` object for these output tokens, the first at character `text_offset`."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.decoded_token)
+        token_logprobs.append(logprob_value(e.logprob))
+        top = {e.decoded_token: logprob_value(e.logprob)}
+        for t in e.top:
+            top.setdefault(t.decoded_token, logprob_value(t.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(e.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` list (None when not asked for)."""
+    if positions is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for p in positions:
+        if p is None:
+            out.append(None)
+            continue
+        entry = {str(p.token_id): {"logprob": logprob_value(p.logprob), "rank": p.rank,
+                                   "decoded_token": p.decoded_token}}
+        for rank, t in enumerate(p.top, 1):
+            entry.setdefault(str(t.token_id), {"logprob": logprob_value(t.logprob), "rank": rank,
+                                               "decoded_token": t.decoded_token})
+        out.append(entry)
+    return out
+
+
+class Choices:
+    """What one HTTP request has produced so far: per choice its output tokens, the characters of its text
+    and whether its end was sent; per prompt the latest output of its engine request (prompt tokens,
+    prefix-cache hits, timings). `usage()` counts from these."""
+
+    def __init__(self, num_prompts: int, n: int, eos_token_id: int | None) -> None:
+        self.n = n
+        self.eos_token_id = eos_token_id
+        self.requests: list[RequestOutput | None] = [None] * num_prompts
+        self.num_tokens = [0] * (num_prompts * n)
+        self.num_chars = [0] * (num_prompts * n)
+        self.ended = [False] * (num_prompts * n)
+
+    def add(self, prompt: int, out: RequestOutput) -> list[tuple[int, SampleOutput, int]]:
+        """Count the news of `out`, an output of prompt `prompt`'s request. Returns (choice index, the
+        sample's news, the characters of that choice's text before this news) per sample with news."""
+        self.requests[prompt] = out
+        news = []
+        for sample in out.outputs:
+            choice = prompt * self.n + sample.index
+            news.append((choice, sample, self.num_chars[choice]))
+            self.num_tokens[choice] += len(sample.token_ids)
+            self.num_chars[choice] += len(sample.text)
+        return news
+
+    def stop_reason(self, sample: SampleOutput) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the sample; None when it ended
+        at the tokenizer's end-of-sequence token or for any other reason."""
+        reason = sample.stop_reason
+        if sample.finish_reason != "stop" or (isinstance(reason, int) and reason == self.eos_token_id):
+            return None
+        return reason
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's `usage`, with our `prompt_tokens_details.cached_tokens`, `ttft_s` (the slowest first
+        token) and `tpot_s` (the mean over prompts of the time per output token after the first, along the
+        longest sample)."""
+        outs = [o for o in self.requests if o is not None]
+        num_prompt = sum(o.num_prompt_tokens for o in outs)
+        num_completion = sum(self.num_tokens)
+        ttfts = [o.metrics["ttft_s"] for o in outs if o.metrics.get("ttft_s")]
+        tpots = []
+        for prompt, out in enumerate(self.requests):
+            longest = max(self.num_tokens[prompt * self.n: (prompt + 1) * self.n])
+            if out is not None and longest > 1 and "e2e_s" in out.metrics and "ttft_s" in out.metrics:
+                tpots.append((out.metrics["e2e_s"] - out.metrics["ttft_s"]) / (longest - 1))
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion,
+                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+                "ttft_s": max(ttfts) if ttfts else None, "tpot_s": sum(tpots) / len(tpots) if tpots else None}
+
+
+# ---------------------------------------------------------------------------------------------- whole responses
+def completion_response(head: dict[str, Any], outs: list[RequestOutput], choices: Choices) -> dict[str, Any]:
+    """The body of a non-streamed completion: `head` (id, object, created, model) and a choice per sample
+    of each prompt's finished output in `outs`."""
+    items = []
+    for prompt, out in enumerate(outs):
+        prompt_lps = prompt_logprobs(out.prompt_logprobs)
+        for choice, sample, _ in choices.add(prompt, out):
+            items.append({"index": choice, "text": sample.text,
+                          "logprobs": None if sample.logprobs is None else completion_logprobs(sample.logprobs, 0),
+                          "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample),
+                          "prompt_logprobs": prompt_lps})
+    return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage()}
+
+
+def chat_response(head: dict[str, Any], out: RequestOutput, choices: Choices) -> dict[str, Any]:
+    """The body of a non-streamed chat completion: a choice per sample of the finished output `out`."""
+    items = [{"index": choice, "message": {"role": "assistant", "content": sample.text, "refusal": None},
+              "logprobs": None if sample.logprobs is None else chat_logprobs(sample.logprobs),
+              "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample)}
+             for choice, sample, _ in choices.add(0, out)]
+    return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage(),
+            "prompt_logprobs": prompt_logprobs(out.prompt_logprobs)}
+
+
+# ---------------------------------------------------------------------------------------------- streams
+class ChunkWriter:
+    """The SSE chunks of one streamed response, from the engine's outputs as they come: `opening`, then
+    `news` for every output of every prompt, then `closing` (the usage chunk when asked for). With
+    `include_usage` every other chunk has `"usage": null`; with `continuous` the usage so far."""
+
+    def __init__(self, head: dict[str, Any], choices: Choices, include_usage: bool, continuous: bool) -> None:
+        self.head = head
+        self.choices = choices
+        self.include_usage = include_usage
+        self.continuous = include_usage and continuous
+
+    def chunk(self, choice: dict[str, Any]) -> str:
+        usage = {"usage": self.choices.usage() if self.continuous else None} if self.include_usage else {}
+        return sse({**self.head, "choices": [choice], **usage})
+
+    def opening(self, firsts: list[RequestOutput]) -> list[str]:
+        for prompt, out in enumerate(firsts):  # prompt tokens for a continuous usage of the first chunks
+            self.choices.requests[prompt] = out
+        return []
+
+    def news(self, prompt: int, out: RequestOutput) -> list[str]:
+        events = []
+        for choice, sample, offset in self.choices.add(prompt, out):
+            if self.choices.ended[choice]:
+                continue
+            if sample.text or sample.logprobs:
+                events.append(self.chunk(self.content(choice, sample, offset)))
+            if sample.finish_reason is not None and sample.finish_reason != "error":  # an error ends the stream
+                self.choices.ended[choice] = True
+                events.append(self.chunk(self.end(choice, sample)))
+        return events
+
+    def closing(self) -> list[str]:
+        return [sse({**self.head, "choices": [], "usage": self.choices.usage()})] if self.include_usage else []
+
+    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionChunks(ChunkWriter):
+    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+        logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, offset)
+        return {"index": choice, "text": sample.text, "logprobs": logprobs, "finish_reason": None,
+                "stop_reason": None}
+
+    def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
+        return {"index": choice, "text": "", "logprobs": None, "finish_reason": sample.finish_reason,
+                "stop_reason": self.choices.stop_reason(sample)}
+
+
+class ChatChunks(ChunkWriter):
+    def opening(self, firsts: list[RequestOutput]) -> list[str]:
+        super().opening(firsts)
+        return [self.chunk({"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}) for choice in range(len(self.choices.ended))]
+
+    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+        logprobs = None if sample.logprobs is None else chat_logprobs(sample.logprobs)
+        return {"index": choice, "delta": {"content": sample.text}, "logprobs": logprobs, "finish_reason": None}
+
+    def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
+        return {"index": choice, "delta": {}, "logprobs": None, "finish_reason": sample.finish_reason,
+                "stop_reason": self.choices.stop_reason(sample)}
