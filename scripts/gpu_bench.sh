@@ -2,22 +2,34 @@
 # The GPU benchmarks of benchmarks/RESULTS.md, in one call (a Qwen3-0.6B-shaped checkpoint is made first;
 # the reference workload also runs once profiled, into $out/profile;
 # with two GPUs also the all-reduce table and the Qwen3-8B-shaped tensor-parallel run):
-#   bash scripts/gpu_bench.sh [TOKENIZER_DIR]        (results to $OUT or ./gpu-results)
+#   bash scripts/gpu_bench.sh [TOKENIZER_DIR] [PART]   (results to $OUT or ./gpu-results)
+# PART (default all) picks one part, each under the device tool's 10 minutes per call:
+#   offline  throughput (triton, FA4, fp8 KV, --filtered), profile_step, latency, prefill, kernels  (~8 min)
+#   profiled the reference workload profiled into $out/profile                                      (~2 min)
+#   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
+#   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 tok=${1:-${DELTASERVE_TEST_TOKENIZER:-}}
+part=${2:-all}
+want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
+if want offline; then
 for backend in triton flash-attn; do
   timeout 300 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend "$backend" \
       --json "$out/throughput-$backend.json" 2>&1 | tee "$out/throughput-$backend.log"
 done
+fi
+if want profiled; then
 # A profiled run of the same workload (issue 14): per-process traces, the merged timeline and the summary of
 # 40 full-batch decode steps in $out/profile (its throughput is not the benchmark's: it traces while it runs).
 timeout 400 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend triton \
     --profile-dir "$out/profile" 2>&1 | tee "$out/throughput-profiled.log"
+fi
+if want offline; then
 # Issue 11: every request with top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5 (compare with
 # throughput-triton), and the sampler's share of a decode step at batch 256, plain and filtered.
 timeout 300 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend triton --filtered \
@@ -37,6 +49,8 @@ timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 1024 --out
     --max-num-batched-tokens 32768 --num-iters-warmup 3 --num-iters 10 --json "$out/prefill.json" 2>&1 \
     | tee "$out/prefill.log"
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
+fi
+if want serving; then
 # Over HTTP (benchmarks/serving.py starts the server itself): the reference workload as 256 concurrent
 # requests, with one and two HTTP server processes; a rate sweep; batch 1 over HTTP and offline.
 for count in 1 2; do
@@ -44,14 +58,15 @@ for count in 1 2; do
       --dataset reference --client-processes 4 --json "$out/serving-reference-$count.json" 2>&1 \
       | tee "$out/serving-reference-$count.log"
 done
-timeout 900 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 1000 --input-len 512 --output-len 128 \
+timeout 900 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 500 --input-len 512 --output-len 128 \
     --request-rate 4 16 64 --client-processes 4 --json "$out/serving-sweep.json" 2>&1 | tee "$out/serving-sweep.log"
 timeout 300 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
     --max-concurrency 1 --json "$out/serving-batch1.json" 2>&1 | tee "$out/serving-batch1.log"
 timeout 300 python3 benchmarks/serving.py --offline "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
     --max-concurrency 1 --json "$out/offline-batch1.json" 2>&1 | tee "$out/offline-batch1.log"
+fi
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+if want multigpu && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   timeout 200 python3 benchmarks/allreduce.py 2>&1 | tee "$out/allreduce.log"
   ckpt8=${CKPT8_DIR:-/tmp/qwen3-8b-random}
   [ -f "$ckpt8/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-8b --out "$ckpt8" ${tok:+--tokenizer "$tok"}
