@@ -58,7 +58,7 @@ for count in 1 2; do
       --dataset reference --client-processes 4 --json "$out/serving-reference-$count.json" 2>&1 \
       | tee "$out/serving-reference-$count.log"
 done
-timeout 900 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 500 --input-len 512 --output-len 128 \
+timeout 400 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 500 --input-len 512 --output-len 128 \
     --request-rate 4 16 64 --client-processes 4 --json "$out/serving-sweep.json" 2>&1 | tee "$out/serving-sweep.log"
 timeout 300 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
     --max-concurrency 1 --json "$out/serving-batch1.json" 2>&1 | tee "$out/serving-batch1.log"
