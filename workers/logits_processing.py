@@ -125,6 +125,8 @@ def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_siz
     still be on its way from the device, in which case the ban is made conditional on the device's last
     sampled token (`ban_after`).
     """
+    if not states:  # a step of prefill chunks that do not end their prompts
+        return None
     flags = [st.processed for st in states]
     if all(flags):
         picked: np.ndarray | list[int] = np.arange(len(states))
