@@ -67,6 +67,9 @@ from common.protocol import CompileGrammars, GrammarCompiled, GrammarSpec
 
 log = logging.getLogger("deltaserve.worker")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Whitespace characters allowed between two JSON elements (any_whitespace): enough for pretty-printed JSON
+# nested 4 levels deep, and a bound on the runs of spaces and newlines a small model repeats until max_tokens.
+MAX_JSON_WHITESPACE = 20
 WHAT_FAILS = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
               "choice": "the choices", "grammar": "the EBNF grammar"}
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -160,9 +163,11 @@ class StructuredOutputManager:
     def _compile(self, g: GrammarSpec) -> Any:
         compiler = self._compiler or self._make_compiler()
         if g.kind == "json":
-            return compiler.compile_json_schema(g.spec, any_whitespace=g.any_whitespace, strict_mode=True)
+            return compiler.compile_json_schema(g.spec, any_whitespace=g.any_whitespace, strict_mode=True,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if g.kind == "json_object":
-            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=g.any_whitespace)
+            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=g.any_whitespace,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if g.kind == "regex":
             return compiler.compile_regex(g.spec)
         if g.kind == "choice":
