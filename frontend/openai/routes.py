@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.protocol import ERROR_ENGINE_DOWN, ERROR_INVALID_REQUEST, GenerateRequest, RequestOutput
 from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream
 from frontend.openai import metrics
-from frontend.openai.params import UnsupportedField, sampling_params
+from frontend.openai.params import UnsupportedField, sampling_params, structured_output_field
 from frontend.openai.schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -227,9 +227,12 @@ def install_error_handlers(app: FastAPI) -> None:
                         "server_error").response()
 
 
-def engine_error(out: RequestOutput, param: str) -> APIError:
-    """The HTTP error for a request the engine ended with an error."""
+def engine_error(out: RequestOutput, param: str, structured_param: str | None = None) -> APIError:
+    """The HTTP error for a request the engine ended with an error; one whose constraint the workers could not
+    compile names `structured_param`, the request field that gave it."""
     if out.error_type == ERROR_INVALID_REQUEST:
+        if structured_param is not None and (out.error or "").startswith("structured_outputs"):
+            param = structured_param
         return APIError(400, f"{param}: {out.error or 'invalid'}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
         return unavailable(out.error)
@@ -457,7 +460,8 @@ def build_app(state: ServerState) -> FastAPI:
     # ------------------------------------------------------------------ generation
     async def run(request: Request, requests: list[GenerateRequest], stream: bool, param: str,
                   respond: Callable[[list[RequestOutput]], dict[str, Any]],
-                  chunks: Callable[[list[RequestStream], list[RequestOutput]], AsyncIterator[str]]) -> Response:
+                  chunks: Callable[[list[RequestStream], list[RequestOutput]], AsyncIterator[str]],
+                  structured_param: str | None = None) -> Response:
         """Submit `requests`; answer with `respond(final outputs)` as JSON, or stream `chunks(streams, first
         outputs)` as SSE. A request refused by the engine is an error status, also when streaming: the
         stream starts only once every request has produced its first output."""
@@ -467,7 +471,7 @@ def build_app(state: ServerState) -> FastAPI:
             outs = await until_disconnect(request, first_outputs(streams) if stream else final_outputs(streams))
             bad = next((o for o in outs if o.finish_reason == "error"), None)
             if bad is not None:
-                raise engine_error(bad, param)
+                raise engine_error(bad, param, structured_param)
             if not stream:
                 return JSONResponse(respond(outs))
             handed_over = True
@@ -549,7 +553,7 @@ def build_app(state: ServerState) -> FastAPI:
                 yield sse({**base, "choices": [], "usage": usage([o for o in finals if o], counts)})
             yield SSE_DONE
 
-        return await run(request, requests, bool(req.stream), "prompt", respond, chunks)
+        return await run(request, requests, bool(req.stream), "prompt", respond, chunks, structured_output_field(req))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -558,9 +562,6 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "echo: not supported", param="echo")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools: tool calling is not supported", param="tools" if req.tools else "tool_choice")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format: only type 'text' is supported, got {req.response_format.type!r}",
-                           param="response_format")
         sampling = params_dict(req)
         gen = GenerateRequest(client.new_request_id(), messages=chat_messages(req.messages), sampling=sampling,
                               stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
@@ -610,7 +611,7 @@ def build_app(state: ServerState) -> FastAPI:
                     yield sse({**base, "choices": [], "usage": usage([out], [count])})
             yield SSE_DONE
 
-        return await run(request, [gen], bool(req.stream), "messages", respond, chunks)
+        return await run(request, [gen], bool(req.stream), "messages", respond, chunks, structured_output_field(req))
 
     return app
 
