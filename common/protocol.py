@@ -47,6 +47,11 @@ message, and each seq id gets exactly one `FinishedSeq`. The client sees one req
 `RequestOutput.outputs` lists its samples (`SampleOutput`), in index order, for any n, streamed
 (each sample's news) or not (all of it).
 
+Structured outputs: the frontend sends a request's constraint (`GrammarSpec`) to the scheduler; the scheduler
+numbers each distinct one and has every rank compile it (`CompileGrammars`, answered by `GrammarCompiled`)
+before the request is first scheduled; `NewRequest` then names it by `SamplingOptions.grammar_id`. The
+workers hold the matchers and advance them with the tokens they sample: no mask crosses a socket.
+
 Logprobs (`Logprobs`, CSR over rows, only for the requests that asked; nothing, not even a field, for
 the others): a sampled position costs 20 + 8 * N bytes (row index, position count, top count, logprob
 and rank: 4 bytes each; each of the top N: int32 id + float32 logprob), both in `StepResult` and in
@@ -397,6 +402,18 @@ class SamplingOptions:
     stop_token_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs (set with min_tokens)
     logprobs: int = -1  # N >= 0: the sampled token's logprob and the top N; -1: none
     prompt_logprobs: int = -1  # N >= 0: each prompt token's logprob and the top N; -1: none
+    # The structured-output grammar (`CompileGrammars`) whose token mask goes first; -1: none. Set by the
+    # scheduler, which numbers the grammars (the frontend sends the constraint itself, `EngineRequest.grammar`).
+    grammar_id: int = -1
+
+
+@_struct
+class GrammarSpec:
+    """A structured-output constraint (SamplingParams.structured_outputs) in the form the workers compile."""
+
+    kind: str  # "json" (a JSON schema), "json_object" (any JSON object), "regex", "choice" or "grammar" (EBNF)
+    spec: str  # the schema as JSON text, the regex, the choices as a JSON array, the EBNF; "" for json_object
+    any_whitespace: bool = True  # json, json_object: any whitespace between elements (False: none)
 
 
 @_struct
@@ -507,6 +524,7 @@ class EngineRequest:
     arrival_time: float  # time.time() at the frontend, seconds
     options: SamplingOptions | None = None  # None: temperature sampling only
     n: int = 1  # samples; sample i has seq id seq_id + i (the scheduler forks them after the prompt)
+    grammar: GrammarSpec | None = None  # structured outputs: the request waits until the workers compiled it
 
 
 @_message
@@ -604,7 +622,37 @@ class StepPlan:
     forked_requests: list[ForkedRequest] = field(default_factory=list)  # applied after the rows; sample after them
 
 
+@_struct
+class GrammarToCompile:
+    grammar_id: int  # chosen by the scheduler, never reused
+    grammar: GrammarSpec
+
+
+@_message
+class CompileGrammars:
+    """Scheduler -> every worker rank: compile these grammars off the step loop (each rank answers each with a
+    `GrammarCompiled`), and drop the compiled grammars `forget_ids`, which no live request uses any more.
+
+    The scheduler keeps the book (scheduler_proc/grammar_cache.py): a grammar is compiled once while it stays
+    cached, a request that uses it waits until every rank has compiled it, and its `SamplingOptions.grammar_id`
+    names it in `NewRequest`, so the constraint itself crosses to the workers once per grammar, not per request."""
+
+    grammars: list[GrammarToCompile] = field(default_factory=list)
+    forget_ids: Int32Array = _empty_i32()
+
+
 # ============================================================================ workers -> scheduler
+@_message
+class GrammarCompiled:
+    """Worker rank -> scheduler: grammar `grammar_id` is compiled and matchers for it can be made at once (`error`
+    None), or it cannot be compiled (`error` says why, naming the field; its requests fail with it)."""
+
+    rank: int
+    grammar_id: int
+    error: str | None = None
+    compile_s: float = 0.0  # seconds the compilation took on this rank
+
+
 @_message
 class StepResult:
     """Worker rank 0 -> scheduler: the tokens sampled in a step, in row order."""
@@ -614,6 +662,9 @@ class StepResult:
     timings: dict[str, Any] = field(default_factory=dict)  # *_ms in milliseconds, and counts; for the step log
     logprobs: Logprobs | None = None  # rows: indices into sampled_token_ids, for the requests that asked
     prompt_logprobs: Logprobs | None = None  # rows: seq ids
+    # seq id -> why the request must fail: its grammar refused the token sampled for it, which happens only when
+    # another parameter (bad_words, min_tokens) banned every token the grammar allowed
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 # ============================================================================ profiling sessions

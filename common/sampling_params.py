@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from common.errors import quote
-from common.protocol import python_numbers
+from common.protocol import GrammarSpec, python_numbers
 
 TOKEN_ID_LIMIT = 2**63  # token ids and counts travel as 64-bit integers
 # A request's seed is in [0, SEED_LIMIT): the sampler keys its noise by the seed modulo 2**63
@@ -22,6 +23,106 @@ FLOAT32_MAX = 3.4028234663852886e38  # the workers compute in float32
 MAX_LOGPROBS = 20  # most top entries `logprobs` and `prompt_logprobs` may ask for (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| limit, as in OpenAI's API: -100 bans a token, +100 all but forces it
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, sample index) over 63 bits
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+
+    - `json`: a JSON schema, as a dict or as its JSON text; the output is a JSON document valid against it
+      (properties in the schema's order, no property the schema does not name);
+    - `regex`: the whole output matches this regular expression;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: an EBNF grammar (GBNF, llama.cpp's and xgrammar's dialect) with a `root` rule;
+    - `json_object`: True: the output is some JSON object;
+
+    and, for `json` and `json_object`, `disable_any_whitespace`: True allows no whitespace between JSON
+    elements (vLLM's option; by default any whitespace is allowed, which small models may repeat until
+    `max_tokens`).
+
+    The workers compile it with xgrammar (workers/structured_output.py). `validate` checks the shape here;
+    a schema, regex or grammar that the library cannot compile fails its request with the library's reason.
+    Raises `ValueError` naming the field (`structured_outputs.json`, ...).
+    """
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the bad field; normalizes in place (a schema given as JSON text becomes
+        the value it encodes, `choice` a list)."""
+        given = [f.name for f in fields(self) if f.name in CONSTRAINTS and getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(CONSTRAINTS)}; got "
+                             f"{'none' if not given else ' and '.join(given)}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON text: {exc}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or true), got "
+                             f"{quote(self.json)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {quote(value)}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                                 f"{quote(self.choice)}")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {quote(value)}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint set: one of `CONSTRAINTS`."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def grammar_spec(self) -> GrammarSpec:
+        """The constraint as the workers compile it (a JSON schema as compact JSON text, in its key order)."""
+        kind = self.kind
+        if kind == "json":
+            spec = json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
+        elif kind == "choice":
+            spec = json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        return GrammarSpec(kind, spec, any_whitespace=not self.disable_any_whitespace)
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutputsParams | None:
+        """From a `StructuredOutputsParams`, its dict (the wire form; unknown keys raise `ValueError` naming
+        them), or None."""
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            value.validate()
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be a map such as {{'json': schema}}, or None, got "
+                             f"{quote(value)}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(map(str, set(value) - set(known)))
+        if unknown:
+            raise ValueError(f"unknown structured_outputs fields {quote(unknown)}; known: {known}")
+        return cls(**value)
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams: exactly one of these
 
 
 @dataclass
@@ -72,6 +173,13 @@ class SamplingParams:
       (temperature 1 for greedy requests), so tokens that top_k/top_p/min_p removed are not listed.
     - `prompt_logprobs` (None or 0..20): the same for every prompt token but the first, from the model's
       raw logits (no parameter applied). Such requests skip the prefix cache (every position is computed).
+
+    Structured outputs:
+    - `structured_outputs`: a `StructuredOutputsParams` (or its dict, e.g. {"json": schema}, {"regex": r"..."},
+      {"choice": [...]}, {"grammar": ebnf}, {"json_object": True}): only tokens that keep the output inside
+      that language are sampled (the token mask is applied first, before logit bias and every filter). The
+      output then ends with the model's end token when the language allows it; `max_tokens` still bounds it
+      (finish reason "length": the output so far, possibly incomplete).
     """
 
     temperature: float = 1.0
@@ -94,6 +202,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,6 +252,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 0, MAX_LOGPROBS, f"[0, {MAX_LOGPROBS}] or None")
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -495,8 +495,9 @@ class FrontendProcess:
         self.next_seq_id += params.n
         now = time.time()
         temperature = 0.0 if params.greedy else float(params.temperature)
+        grammar = params.structured_outputs.grammar_spec() if params.structured_outputs is not None else None
         engine_req = EngineRequest(seq_id, i32(arr), temperature, params.max_tokens, params.seed, sorted(stop_ids),
-                                   now, self._options(params, stop_ids), params.n)
+                                   now, self._options(params, stop_ids), params.n, grammar)
         samples = [SampleState(i, self.tokenizer, ids, params) for i in range(params.n)]
         state = RequestState(client, req.request_id, seq_id, params, len(ids), samples, now, ids, stream=req.stream,
                              num_unfinished=params.n,

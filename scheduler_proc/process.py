@@ -5,10 +5,12 @@ capacity, send `InitKVCache`, wait for `KVCacheReady`, then tell the frontend `E
 
 Loop (policy lives in `scheduler.py`, this file only moves messages):
 1. take the frontend's `AddRequests` / `AbortSeqs`;
-2. take the workers' `StepResult`s, turn them into `StepOutputs` for the frontend;
-3. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
+2. take the workers' `StepResult`s, turn them into `StepOutputs` for the frontend, and their
+   `GrammarCompiled` answers (structured outputs);
+3. send the workers the new grammars to compile (`CompileGrammars`), if any;
+4. while fewer than `max_steps_in_flight` steps are outstanding, plan one and send it to every
    rank. A line of timing per step goes to the log at DEBUG level.
-Then it blocks on its sockets: once step 3 has planned all it can, nothing new can be planned
+Then it blocks on its sockets: once step 4 has planned all it can, nothing new can be planned
 before a message arrives, whatever the state (steps in flight, requests finishing, waiting
 requests that do not fit yet).
 Every second, busy or idle, it also pings the frontend, which takes a scheduler silent for
@@ -33,6 +35,7 @@ from common.protocol import (
     AddRequests,
     EngineReady,
     FinishedSeq,
+    GrammarCompiled,
     InitKVCache,
     KVCacheReady,
     Ping,
@@ -111,6 +114,7 @@ class SchedulerProcess:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
             vocab_size=cfg.vocab_size,
+            num_ranks=cfg.tensor_parallel_size,
         ))
         warning = ""
         capacity = num_blocks * cfg.block_size
@@ -173,6 +177,9 @@ class SchedulerProcess:
             if self.from_workers in events:
                 for raw in ipc.recv_all(self.from_workers):
                     self._handle_worker(raw)
+            work = sched.take_grammar_work()  # before any plan that could name those grammars
+            if work is not None:
+                self._send_workers(work)
             while sched.can_schedule():
                 self.profiling.before_step(sched.next_step_id, sched.num_unfinished > 0)
                 t0 = time.perf_counter()
@@ -247,6 +254,13 @@ class SchedulerProcess:
         sched = self.scheduler
         assert sched is not None
         msg = self._worker_message(raw)
+        if isinstance(msg, GrammarCompiled):
+            log.debug("rank %d compiled grammar %d in %.3f s%s", msg.rank, msg.grammar_id, msg.compile_s,
+                      f": {msg.error}" if msg.error else "")
+            finished = sched.grammar_compiled(msg)
+            if finished:
+                self._send_outputs(StepOutputs(step_id=-1, finished=finished))
+            return
         if not isinstance(msg, StepResult):
             log.error("unexpected %s from a worker", type(msg).__name__)
             return

@@ -21,10 +21,15 @@ Continuing batching with a token budget, in the style of vLLM's v1 scheduler:
   its KV after the forward), and samples its first token from the same logits with its own seed.
   Samples that do not fit then (no free block, or `max_num_seqs`) wait as new requests, whose full
   prompt blocks are prefix-cache hits. From the fork on, every sample is a sequence of its own.
+- Structured outputs: a request with a grammar joins the waiting queue only once every worker rank has
+  compiled it (`grammar_cache.py`); until then it holds nothing and delays nobody. A grammar that cannot be
+  compiled fails its requests with the compiler's reason, and so does a token the grammar refused
+  (`StepResult.failed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -33,13 +38,16 @@ import numpy as np
 
 from common.limits import prompt_limit_error
 from common.protocol import (
+    CompileGrammars,
     EngineRequest,
     FinishedSeq,
     ForkedRequest,
+    GrammarCompiled,
     Logprobs,
     NewBlocks,
     NewRequest,
     ResumedRequest,
+    SamplingOptions,
     SchedulerStats,
     StepOutputs,
     StepPlan,
@@ -47,6 +55,7 @@ from common.protocol import (
     i32,
 )
 from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.grammar_cache import GrammarCache
 from scheduler_proc.sequence import SeqStatus, Sequence
 
 
@@ -60,6 +69,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_steps_in_flight: int = 2
     vocab_size: int = 0  # 0: do not check token ids (the frontend already did)
+    num_ranks: int = 1  # worker ranks: each compiles every grammar and says so
 
 
 @dataclass
@@ -83,6 +93,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission, since start
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.grammars = GrammarCache(config.num_ranks)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: EngineRequest) -> list[FinishedSeq]:
@@ -92,9 +103,41 @@ class Scheduler:
         if error is not None:
             return [FinishedSeq(req.seq_id + i, "error", 0, error) for i in range(max(1, req.n))]
         seq = Sequence(req)
+        if req.grammar is not None:
+            entry = self.grammars.acquire(req.grammar)
+            seq.options = dataclasses.replace(seq.options or SamplingOptions(), grammar_id=entry.grammar_id)
+            if entry.error is not None:  # compiled before, and failed: fail at once
+                self.grammars.release(entry.grammar_id)
+                return [FinishedSeq(req.seq_id + i, "error", 0, entry.error) for i in range(max(1, req.n))]
+            if not entry.ready:
+                seq.status = SeqStatus.WAITING_FOR_GRAMMAR
+                entry.waiting.append(seq)
+                self.seqs[seq.seq_id] = seq
+                return []
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
         return []
+
+    def take_grammar_work(self) -> CompileGrammars | None:
+        """The grammars the workers must compile (and may forget) since the last call: send it to every rank
+        before the next plan."""
+        return self.grammars.take_work()
+
+    def grammar_compiled(self, msg: GrammarCompiled) -> list[FinishedSeq]:
+        """Apply one rank's answer: once every rank compiled the grammar, its requests join the waiting queue
+        (in arrival order); if it failed, they end with its error, which is returned."""
+        entry = self.grammars.compiled(msg.rank, msg.grammar_id, msg.error)
+        if entry is None:
+            return []
+        waiting, entry.waiting = entry.waiting, []
+        finished: list[FinishedSeq] = []
+        for seq in waiting:
+            if entry.ready:
+                seq.status = SeqStatus.WAITING
+                self.waiting.append(seq)
+            else:
+                self._finish(seq, "error", finished, entry.error)
+        return finished
 
     def check_request(self, req: EngineRequest) -> str | None:
         """Why `req` can never run, or None. Limits are named in the message."""
@@ -126,7 +169,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """The counts a metrics endpoint shows (`SchedulerStats` documents each)."""
         bm = self.block_manager
-        return SchedulerStats(len(self.running), len(self.waiting), bm.num_blocks, bm.num_free_blocks,
+        compiling = sum(len(e.waiting) for e in self.grammars.entries.values())
+        return SchedulerStats(len(self.running), len(self.waiting) + compiling, bm.num_blocks, bm.num_free_blocks,
                               self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def can_schedule(self) -> bool:
@@ -285,15 +329,20 @@ class Scheduler:
             fork.num_cached_tokens = parent.num_cached_tokens
             fork.status = SeqStatus.RUNNING
             fork.known_to_workers = True
-            self.seqs[fork.seq_id] = fork
+            self._register_fork(fork)
             forked.append(fork)
             forks.append(ForkedRequest(fork.seq_id, parent.seq_id, fork.seed, i32(fork.block_table)))
         later = []
         while parent.num_unforked:
             fork = parent.make_fork()
-            self.seqs[fork.seq_id] = fork
+            self._register_fork(fork)
             later.append(fork)
         self.waiting.extendleft(reversed(later))
+
+    def _register_fork(self, fork: Sequence) -> None:
+        self.seqs[fork.seq_id] = fork
+        if fork.grammar_id >= 0:
+            self.grammars.entries[fork.grammar_id].users += 1
 
     def _preempt(self, seq: Sequence) -> int:
         """Free `seq`'s blocks and put it at the front of the waiting queue (recompute later)."""
@@ -311,11 +360,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
+            waiting = self.grammars.entries[seq.grammar_id].waiting
+            if seq in waiting:
+                waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.block_manager.free(seq)
         if seq.known_to_workers:
             self.finished_for_workers.append(seq.seq_id)
         del self.seqs[seq.seq_id]
+        if seq.grammar_id >= 0:
+            self.grammars.release(seq.grammar_id)
         finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions,
                                     seq.queue_time_s))
         while seq.num_unforked:  # samples never forked (it ended before its prompt did) end with it
@@ -360,6 +415,10 @@ class Scheduler:
                 self._finish(seq, "length", finished)
             elif min(seq.num_computed_tokens, num_tokens) // bs > seq.num_hashed_blocks:
                 self.block_manager.cache_full_blocks(seq)
+        for seq_id, why in result.failed.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                self._finish(seq, "error", finished, why)
         logprobs = _select_rows(result.logprobs, out_index) if result.logprobs is not None else None
         return StepOutputs(result.step_id, i32(out_ids), i32(out_tokens), finished, cached, logprobs,
                            result.prompt_logprobs)
@@ -368,12 +427,18 @@ class Scheduler:
         """Block accounting invariants plus the scheduler's own (tests call this every step)."""
         live = list(self.seqs.values())
         self.block_manager.check_invariants(live)
+        queued = {id(s) for s in self.waiting}
+        users: dict[int, int] = {}
         for seq in live:
-            if seq.status is SeqStatus.WAITING:
+            if seq.grammar_id >= 0:
+                users[seq.grammar_id] = users.get(seq.grammar_id, 0) + 1
+            if seq.status in (SeqStatus.WAITING, SeqStatus.WAITING_FOR_GRAMMAR):
                 assert not seq.block_table and seq.num_computed_tokens == 0, seq
+                assert (seq.status is SeqStatus.WAITING) == (id(seq) in queued), seq
             else:
                 assert seq.num_computed_tokens <= seq.num_tokens, seq
                 assert len(seq.block_table) == self.block_manager.blocks_needed(seq.num_computed_tokens), seq
+        assert {gid: e.users for gid, e in self.grammars.entries.items() if e.users} == users, users
         if not live:
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks
 

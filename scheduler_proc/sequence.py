@@ -15,6 +15,7 @@ class SeqStatus(Enum):
     WAITING = 0  # not admitted yet, or preempted and waiting to be admitted again
     RUNNING = 1  # holds blocks and is scheduled every step until it finishes
     FINISHED = 2
+    WAITING_FOR_GRAMMAR = 3  # its structured-output grammar is compiling on the workers: not queued yet
 
 
 class Sequence:
@@ -83,6 +84,11 @@ class Sequence:
         fork.num_prompt_tokens = self.num_prompt_tokens
         fork.stop_token_ids = self.stop_token_ids
         return fork
+
+    @property
+    def grammar_id(self) -> int:
+        """Its structured-output grammar (GrammarCache), or -1."""
+        return self.options.grammar_id if self.options is not None else -1
 
     @property
     def num_tokens(self) -> int:

@@ -530,7 +530,6 @@ BAD_CHATS = [
      "none of the accepted types"),
     ({"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only type 'text'"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
     ({"messages": CHAT, "logprobs": "maybe"}, "logprobs", "valid boolean"),
@@ -540,6 +539,14 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 9}, "min_tokens", "max_completion_tokens=3"),
     ({"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream=true"),
     ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{"}}},
+     "response_format", "none of the accepted types"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+     "only one structured-output field may be set, got response_format and guided_regex"),
+    ({"messages": CHAT, "guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"messages": CHAT, "structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs",
+     "exactly one of"),
 ]
 
 
@@ -721,3 +728,43 @@ def test_a_repeated_prompt_is_a_prefix_cache_hit_in_metrics(server: HTTPServer, 
     assert out.usage.prompt_tokens_details.cached_tokens == 32
     assert after["deltaserve:prefix_cache_hits_total"] - before["deltaserve:prefix_cache_hits_total"] == 32
     assert 0 < after["deltaserve:gpu_prefix_cache_hit_rate"] <= 1
+
+
+# ============================================================================ structured outputs
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def test_response_format_json_schema_gives_json_valid_against_the_schema(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    reply = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_response_format_json_object_and_vllm_guided_fields_constrain_the_output(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, temperature=1, seed=1, max_tokens=40,
+                                           response_format={"type": "json_object"})
+    assert reply.choices[0].message.content.startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10,
+                                          extra_body={"guided_choice": ["alpha", "beta"]})
+    assert chat.choices[0].message.content in ("alpha", "beta")
+    done = client.completions.create(model="tiny", prompt="id:", max_tokens=10,
+                                     extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert len(done.choices[0].text) == 4 and done.choices[0].text.isdigit()
+
+
+def test_a_schema_the_library_cannot_compile_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
+    assert err.value.body["param"] == "response_format"
+    assert "the JSON schema cannot be compiled" in err.value.body["message"]

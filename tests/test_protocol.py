@@ -61,6 +61,8 @@ def example_value(hint: Any, salt: int) -> Any:
         key, value = typing.get_args(hint)
         if key is int and value is float:
             return {salt: 0.5 * salt, 7: -100.0}
+        if key is int and value is str:
+            return {salt: "why-价格", 2**40: ""}
         if key is int:
             return {salt: 3 * salt, 2**40: 0}
         if value in (float, int | float):

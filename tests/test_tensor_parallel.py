@@ -207,3 +207,32 @@ def test_tp2_processes_filtered_penalized_and_logprob_rows_exactly_as_tp1(tiny_q
     # row-parallel sums change: their ranks may differ by a few.
     for x, y in zip(results[0][2]["prompt_logprobs"][1:], results[1][2]["prompt_logprobs"][1:]):
         assert abs(x["rank"] - y["rank"]) <= 3 and x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)
+
+
+def test_tp2_constrained_rows_draw_what_tp1_draws(tiny_qwen3: Path, engine_factory) -> None:
+    """Structured outputs under TP: every rank compiles each grammar and advances matchers of its own with the
+    tokens it samples (the same on every rank), so every rank applies the same mask with no collective, and
+    TP=2 gives TP=1's tokens, with unconstrained rows beside them."""
+    import json as json_module
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["ok", "n"]}
+    params = [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs={"json": schema}),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs={"regex": "[a-z]{3,6}"}),
+              SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"choice": ["left", "right"]}),
+              SamplingParams(temperature=0.7, seed=4, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=40,
+                             structured_outputs={"json": schema, "disable_any_whitespace": True})]
+    prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(params))]
+    results = []
+    for tp in (1, 2):
+        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    for one, two in zip(*results):
+        assert [s["token_ids"] for s in one["outputs"]] == [s["token_ids"] for s in two["outputs"]]
+    for sample in results[1][4]["outputs"]:
+        if sample["finish_reason"] == "stop":
+            assert set(json_module.loads(sample["text"])) == {"ok", "n"}
+    assert results[1][2]["text"] in ("left", "right")

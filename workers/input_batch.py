@@ -13,12 +13,18 @@ is fed to the next step straight from the device (`StepInputs.gpu_token_index`).
 A forked sample (n > 1, `ForkedRequest`) takes a row of its own in the step that computes the end of
 its parent's prompt, with a copy of the parent's prompt tokens; it samples after the step's rows,
 from the parent's logits (`StepInputs.logits_indices` names the parent's last token for it).
+
+A constrained request (structured outputs) holds its grammar's matcher (`ReqState.grammar`) from its first
+plan on; it is made by the `new_grammar` factory the batch is given, and kept through preemption, since the
+request's tokens are.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,13 +40,16 @@ from workers.logits_processing import (
     uses_penalties,
 )
 
+if TYPE_CHECKING:
+    from workers.structured_output import RequestGrammar
+
 
 class ReqState:
     """One request on a worker."""
 
     __slots__ = ("seq_id", "row", "tokens", "num_tokens", "num_tokens_cpu", "num_computed", "num_blocks",
                  "temperature", "seed", "active", "num_prompt_tokens", "options", "processed", "penalized",
-                 "prompt_logprobs_next", "parameter_row", "sparse")
+                 "prompt_logprobs_next", "parameter_row", "sparse", "grammar")
 
     def __init__(self, seq_id: int, temperature: float, seed: int | None,
                  options: SamplingOptions | None = None) -> None:
@@ -63,6 +72,7 @@ class ReqState:
         # The next prompt token whose logprob is reported (prompt_logprobs); each is reported once, also
         # when a preempted request computes its prompt again.
         self.prompt_logprobs_next = 1
+        self.grammar: RequestGrammar | None = None  # its structured-output matcher, at its tokens on the host
 
 
 @dataclass
@@ -93,8 +103,9 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, new_grammar: Callable[[int], RequestGrammar] | None = None) -> None:
         self.block_size = block_size
+        self.new_grammar = new_grammar  # grammar id -> a matcher at its start (structured outputs)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size  # of the model: top_k >= it is off
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
@@ -145,6 +156,7 @@ class InputBatch:
         scheduled: list[tuple[ReqState, int]] = []
         for req in plan.new_requests:
             st = ReqState(req.seq_id, req.temperature, req.seed, req.options)
+            self._attach_grammar(st)
             self._take_row(st)
             n = len(req.prompt_token_ids)
             st.tokens = self.token_ids[st.row]
@@ -182,6 +194,7 @@ class InputBatch:
         for fork in plan.forked_requests:
             parent = reqs[fork.parent_seq_id]
             st = ReqState(fork.seq_id, parent.temperature, fork.seed, parent.options)
+            self._attach_grammar(st)  # at its start: the parent has no output token yet either
             self._take_row(st)
             n = st.num_prompt_tokens = st.prompt_logprobs_next = parent.num_prompt_tokens  # its prompt: reported
             st.tokens = self.token_ids[st.row]
@@ -192,6 +205,13 @@ class InputBatch:
             self.num_processed += st.processed
             self.forks.append((st, parent))
         return scheduled
+
+    def _attach_grammar(self, st: ReqState) -> None:
+        gid = st.options.grammar_id if st.options is not None else -1
+        if gid >= 0:
+            if self.new_grammar is None:
+                raise RuntimeError(f"request {st.seq_id} has a grammar but this batch has no structured outputs")
+            st.grammar = self.new_grammar(gid)
 
     # ------------------------------------------------------------------ step inputs
     def prepare(self, scheduled: list[tuple[ReqState, int]]) -> StepInputs:
@@ -287,9 +307,14 @@ class InputBatch:
         return out
 
     @staticmethod
-    def append_sampled(states: list[ReqState], tokens: np.ndarray) -> None:
-        """Record tokens that reached the host, in the order the step sampled them."""
+    def append_sampled(states: list[ReqState], tokens: np.ndarray) -> list[tuple[ReqState, int]]:
+        """Record tokens that reached the host, in the order the step sampled them. Returns the (request,
+        token) pairs of the live constrained requests, whose matchers must advance by those tokens."""
+        constrained = []
         for st, token in zip(states, tokens.tolist()):
             if st.active:
                 st.tokens[st.num_tokens_cpu] = token
                 st.num_tokens_cpu += 1
+                if st.grammar is not None:
+                    constrained.append((st, token))
+        return constrained

@@ -1,7 +1,7 @@
 """Logits processing: the batched steps between the LM head and the sampler, for the rows that use them.
 
-A row is "processed" when its request sets anything beyond temperature (SamplingOptions: filters,
-penalties, logit bias, bad words, min_tokens, logprobs). Rows that use only temperature never come
+A row is "processed" when its request sets anything beyond temperature (SamplingOptions: a structured-output
+grammar, filters, penalties, logit bias, bad words, min_tokens, logprobs). Rows that use only temperature never come
 here: the fused sampler takes them straight from the LM head, as before, with no extra kernel.
 
 The processed rows of a step are gathered into one float32 tensor `[R, vocab]` (all of the vocabulary:
@@ -10,7 +10,8 @@ samples them identically), and each step below runs once over all of them, with 
 tensors and sparse (row, token) lists. The order is vLLM's (its v0 sampler for the last three: top-k and
 top-p, then min-p):
 
-  0. (reserved) a structured-output grammar bitmask, when there is one, goes first;
+  0. structured outputs: tokens the row's grammar does not allow next get -inf (its packed bitmask, filled on
+     the host by workers/structured_output.py, unpacked on the device), so nothing below can bring one back;
   1. logit bias: add each request's {token: bias};
   2. bans: the last token of a bad word whose other tokens end the output, and, while fewer than
      `min_tokens` tokens were generated, the request's stop tokens, get -inf;
@@ -37,7 +38,7 @@ that covers every processed row works on the whole tensor without gathering it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,9 +46,11 @@ import torch
 
 from common.protocol import SamplingOptions
 from workers.layers.fused import fused
+from workers.structured_output import apply_bitmask
 
 if TYPE_CHECKING:
     from workers.input_batch import ReqState
+    from workers.structured_output import RequestGrammar
 
 TOPK_CANDIDATES = 1024  # rows with a top-k up to this take their candidates from torch.topk, not a full sort
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose full-vocabulary logits exist at once
@@ -59,8 +62,8 @@ def is_processed(options: SamplingOptions | None) -> bool:
     if options is None:
         return False
     o = options
-    return bool(o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 or uses_penalties(o) or o.logit_bias or o.bad_words
-                or o.min_tokens > 0 or o.logprobs >= 0)
+    return bool(o.grammar_id >= 0 or o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 or uses_penalties(o)
+                or o.logit_bias or o.bad_words or o.min_tokens > 0 or o.logprobs >= 0)
 
 
 def uses_penalties(options: SamplingOptions | None) -> bool:
@@ -97,6 +100,8 @@ class ProcessingInputs:
     logprob_counts: np.ndarray  # [L] int64 top-N of each
     uses_repetition: bool = False
     uses_frequency_presence: bool = False
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [G] indices into R, constrained
+    grammars: list[RequestGrammar] = field(default_factory=list)  # [G] their matchers (the bitmask is filled later)
 
 
 def parameter_row(options: SamplingOptions) -> tuple[float, ...]:
@@ -120,6 +125,8 @@ def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_siz
     still be on its way from the device, in which case the ban is made conditional on the device's last
     sampled token (`ban_after`).
     """
+    if not states:  # a step of prefill chunks that do not end their prompts
+        return None
     flags = [st.processed for st in states]
     if all(flags):
         picked: np.ndarray | list[int] = np.arange(len(states))
@@ -161,6 +168,7 @@ def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_siz
                 ban_rows.append(j)
                 ban_tokens.append(word[-1])
                 ban_after.append(after)
+    grammar_rows = [j for j, st in enumerate(picked_states) if st.grammar is not None]
     i64 = np.int64
     uses_repetition = repetition != 1.0
     uses_frequency_presence = (frequency != 0) | (presence != 0)
@@ -188,12 +196,15 @@ def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_siz
         logprob_counts=table[logprob_rows, 6].astype(i64),
         uses_repetition=bool(uses_repetition.any()),
         uses_frequency_presence=bool(uses_frequency_presence.any()),
+        grammar_rows=np.asarray(grammar_rows, dtype=i64),
+        grammars=[picked_states[j].grammar for j in grammar_rows],
     )
 
 
 def worst_case_inputs(n: int) -> ProcessingInputs:
-    """`n` rows (batch rows 0..n-1) that use every step at its costliest: a whole-row sort for top-p,
-    min-p, the three penalties and 20 logprobs (the start-up memory measurement runs it)."""
+    """`n` rows (batch rows 0..n-1) that use every step at its costliest: a grammar bitmask (the caller sets
+    `DeviceProcessing.bitmask`), a whole-row sort for top-p, min-p, the three penalties and 20 logprobs (the
+    start-up memory measurement runs it)."""
     from common.sampling_params import MAX_LOGPROBS
 
     i64, f32 = np.int64, np.float32
@@ -205,7 +216,8 @@ def worst_case_inputs(n: int) -> ProcessingInputs:
         min_p=np.full(n, 0.05, f32), repetition=np.full(n, 1.1, f32), frequency=np.full(n, 0.5, f32),
         presence=np.full(n, 0.5, f32), penalty_rows=rows, bias_rows=empty_i, bias_tokens=empty_i,
         bias_values=empty_f, ban_rows=empty_i, ban_tokens=empty_i, ban_after=empty_i, logprob_rows=rows,
-        logprob_counts=np.full(n, MAX_LOGPROBS, i64), uses_repetition=True, uses_frequency_presence=True)
+        logprob_counts=np.full(n, MAX_LOGPROBS, i64), uses_repetition=True, uses_frequency_presence=True,
+        grammar_rows=rows)
 
 
 def _bad_word_condition(st: ReqState, word: list[int], num_output: int) -> int | None:
@@ -253,12 +265,15 @@ class DeviceProcessing:
                 "bias_rows": h.bias_rows, "bias_tokens": h.bias_tokens, "ban_rows": h.ban_rows,
                 "ban_tokens": h.ban_tokens, "ban_after": h.ban_after, "ban_batch_rows": h.batch_rows[h.ban_rows],
                 "fast": fast, "fast_k": h.top_k[fast], "full": full, "full_k": h.top_k[full],
-                "logprob_rows": h.logprob_rows}
+                "logprob_rows": h.logprob_rows, "grammar_rows": h.grammar_rows}
         floats = {"temperatures": h.temperatures, "sample_temperatures": h.sample_temperatures, "min_p": h.min_p,
                   "repetition": h.repetition[pr], "frequency": h.frequency[pr], "presence": h.presence[pr],
                   "bias_values": h.bias_values, "fast_p": h.top_p[fast], "full_p": h.top_p[full]}
         self.i = _upload_packed(ints, np.int64, device)
         self.f = _upload_packed(floats, np.float32, device)
+        # [G, ceil(vocab / 32)] int32 on the device: the grammar rows' masks, set once their matchers are up to
+        # date (after the forward is launched: see workers/structured_output.py)
+        self.bitmask: torch.Tensor | None = None
 
 
 def _upload_packed(arrays: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, torch.Tensor]:
@@ -399,6 +414,20 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int
 
 
 # ============================================================================ the steps
+def _grammar_bitmask(proc: LogitsProcessor, x: torch.Tensor, d: DeviceProcessing, last: torch.Tensor) -> torch.Tensor:
+    if not len(d.host.grammar_rows):
+        return x
+    assert d.bitmask is not None, "the grammar rows' bitmask must be uploaded before the logits are processed"
+    if len(d.host.grammar_rows) == x.shape[0]:  # every processed row is constrained: no gather/scatter of x
+        return _masked(x, d.bitmask)
+    rows = d.i["grammar_rows"]
+    x[rows] = _masked(x[rows], d.bitmask)
+    return x
+
+
+_masked = fused(apply_bitmask)
+
+
 def _logit_bias(proc: LogitsProcessor, x: torch.Tensor, d: DeviceProcessing, last: torch.Tensor) -> torch.Tensor:
     if len(d.host.bias_rows):
         x.index_put_((d.i["bias_rows"], d.i["bias_tokens"]), d.f["bias_values"], accumulate=True)
@@ -521,8 +550,8 @@ def top_k_top_p_threshold(rows: torch.Tensor, candidates: torch.Tensor, k: torch
     return candidates.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
-# The pipeline, in order (the module docstring). A grammar-bitmask step goes first when it exists.
-STEPS = (_logit_bias, _bans, _penalties, _temperature, _top_k_top_p_min_p)
+# The pipeline, in order (the module docstring).
+STEPS = (_grammar_bitmask, _logit_bias, _bans, _penalties, _temperature, _top_k_top_p_min_p)
 
 
 def gather_vocabulary(logits: torch.Tensor, vocab_size: int, rows_per_rank: int) -> torch.Tensor:

@@ -11,6 +11,11 @@ workers/logits_processing.py between the LM head and the sampler; their logprobs
 logprobs of prefill chunks that asked, are copied back with the tokens (pinned memory, same event).
 Forked samples (n > 1) get their copy of the parent's last partial prompt block right after the
 forward that wrote it.
+
+Structured outputs (workers/structured_output.py): a step with constrained rows launches its forward,
+then `receive`s the previous step's tokens (the one wait for the device this adds, while the forward
+runs), advances those rows' matchers, fills their bitmask on the host and uploads it, then processes and
+samples. `finalize` of that previous step then finds its tokens already received.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +32,7 @@ import torch
 from common.config import EngineConfig, load_hf_config
 from common.errors import ExplainedError
 from common.profiling import PhaseRecorder
-from common.protocol import Logprobs, StepPlan, f32, i32
+from common.protocol import GrammarCompiled, Logprobs, StepPlan, f32, i32
 from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
@@ -47,6 +52,7 @@ from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
 from workers.parallel import init_tensor_parallel
 from workers.sampler import ProcessedRows, Sampler
+from workers.structured_output import StructuredOutputManager, bitmask_width, default_threads
 
 log = logging.getLogger("deltaserve.worker")
 GiB = 1 << 30
@@ -131,6 +137,8 @@ class PendingStep:
     prompt_logprobs_host: LogprobsOnHost | None = None
     logprobs: Logprobs | None = None  # set by ModelRunner.finalize
     prompt_logprobs: Logprobs | None = None
+    tokens: np.ndarray | None = None  # [S] int32 once received (ModelRunner.receive), in row order
+    failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its grammar refused its token
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -172,7 +180,9 @@ def _host_memory_available() -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int, dist_init: str, dist_listen_fd: int = -1) -> None:
+    def __init__(self, config: EngineConfig, rank: int, dist_init: str, dist_listen_fd: int = -1,
+                 report_grammar: Callable[[GrammarCompiled], None] | None = None) -> None:
+        """`report_grammar`: where the compile thread sends each `GrammarCompiled` (from that thread)."""
         assert config.max_model_len is not None, "the launcher resolves the config first"
         self.config = config
         self.rank = rank
@@ -202,8 +212,12 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, head.vocab_size, head.vocab_start)
         self.block_size = config.block_size
         self.max_blocks_per_seq = config.max_blocks_per_seq
+        self.structured = StructuredOutputManager(
+            config.tokenizer or config.model, head.vocab_size, list(config.eos_token_ids), rank,
+            report_grammar or (lambda msg: None), default_threads(config.tensor_parallel_size),
+            pin_memory=self.device.type == "cuda")
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size,
-                                head.vocab_size)
+                                head.vocab_size, self.structured.new_grammar)
         self.processor = LogitsProcessor(self.device, config.max_num_seqs, head.vocab_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.host = [HostBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
@@ -214,6 +228,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self._last_step_end: torch.cuda.Event | None = None
+        self._last_launched: PendingStep | None = None  # the step launched last: its tokens may not be received
+        self._grammar_timings: dict[str, float] = {}  # of the step being launched: its wait and mask times
         self.phases = PhaseRecorder()  # the worker's, while it profiles (common/profiling.py)
         log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
                  self.dtype, self.backend.name)
@@ -319,6 +335,7 @@ class ModelRunner:
         # for a single row, which torch.compile specializes (no compile stalls a first step later).
         for rows in sorted({n, 1}, reverse=True):
             d = self.processor.upload(worst_case_inputs(rows))
+            d.bitmask = torch.full((rows, bitmask_width(self.processor.vocab_size)), -1, dtype=torch.int32, device=dev)
             x = self.processor.apply(gather_vocabulary(logits[:rows], self.processor.vocab_size,
                                                        self.model.lm_head.rows_per_rank), d, self.last_sampled)
             tokens = self.sampler(logits[:rows], torch.ones(rows, device=dev), False, processed=ProcessedRows(
@@ -439,10 +456,12 @@ class ModelRunner:
         t2 = time.perf_counter()
         timings = {"t_start": t0, "prepare_ms": (t1 - t0) * 1e3, "launch_ms": (t2 - t1) * 1e3,
                    "tokens": len(inputs.positions), "rows": len(inputs.rows), "decode": inputs.is_decode,
-                   "graph": graph_bs or 0}
+                   "graph": graph_bs or 0, **self._grammar_timings}
+        self._grammar_timings = {}
         step = PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings, started, ended,
                            self._last_step_end, logprobs_host, prompt_logprobs_host)
         self._last_step_end = ended
+        self._last_launched = step
         return step
 
     def _upload(self, inputs: StepInputs, host: HostBuffers, graph_bs: int | None
@@ -528,6 +547,8 @@ class ModelRunner:
             processed = d = None
             if inputs.processing is not None:
                 d = self.processor.upload(inputs.processing)
+                if inputs.processing.grammars:
+                    d.bitmask = self._grammar_bitmask(inputs.processing.grammars)
                 rows = logits if inputs.processing.all_rows else logits[d.i["rows"]]
                 x = gather_vocabulary(rows, self.processor.vocab_size, self.model.lm_head.rows_per_rank)
                 x = self.processor.apply(x, d, self.last_sampled)
@@ -553,6 +574,20 @@ class ModelRunner:
         event.record()
         return out, event, lp_host, prompt_lp
 
+    def _grammar_bitmask(self, grammars: list) -> torch.Tensor:
+        """The bitmask of a step's constrained rows on the device. First the previous step's tokens are
+        received (the forward of this step already runs on the device), so that every matcher stands at its
+        request's last token."""
+        t0 = time.perf_counter()
+        if self._last_launched is not None:
+            self.receive(self._last_launched)
+        t1 = time.perf_counter()
+        bitmask = self.structured.fill_bitmask(grammars)
+        t2 = time.perf_counter()
+        self._grammar_timings = {"grammar_wait_ms": (t1 - t0) * 1e3, "grammar_mask_ms": (t2 - t1) * 1e3,
+                                 "grammar_rows": len(grammars)}
+        return bitmask.to(self.device, non_blocking=True) if self.device.type == "cuda" else bitmask
+
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> LogprobsOnHost:
         """Raw logprobs (no sampling parameter applied) of the prompt tokens this step's forward predicts,
         with their top-N; the LM head runs on `PROMPT_LOGPROBS_CHUNK` positions at a time."""
@@ -572,10 +607,25 @@ class ModelRunner:
                               np.asarray(pl.num_top, np.int64), self._to_host(lp), self._to_host(rank),
                               self._to_host(top_lp), self._to_host(top_ids))
 
+    def receive(self, step: PendingStep) -> np.ndarray:
+        """Wait for a step's sampled tokens, record them in the batch and advance the constrained requests'
+        matchers by them (their refusals go to `step.failed`); return them (int32, row order). Once per step:
+        a later call returns the same tokens."""
+        if step.tokens is None:
+            if step.event is not None:
+                step.event.synchronize()
+            step.tokens = (np.zeros(0, dtype=np.int32) if step.tokens_host is None
+                           else step.tokens_host.numpy().astype(np.int32))
+            constrained = InputBatch.append_sampled(step.states, step.tokens)
+            if constrained:
+                errors = self.structured.accept([st.grammar for st, _ in constrained], [t for _, t in constrained])
+                step.failed = {constrained[i][0].seq_id: why for i, why in errors.items()}
+        return step.tokens
+
     def finalize(self, step: PendingStep) -> np.ndarray:
-        """Wait for a step's sampled tokens; record them in the batch; return them (int32, row order)."""
-        if step.event is not None:
-            step.event.synchronize()
+        """Wait for a step's sampled tokens (`receive`, if not done yet); return them (int32, row order), with
+        the step's timings and logprobs filled in."""
+        tokens = self.receive(step)
         if step.ended is not None:
             step.ended.synchronize()
             step.timings["gpu_ms"] = step.started.elapsed_time(step.ended)
@@ -586,8 +636,6 @@ class ModelRunner:
             step.logprobs = step.logprobs_host.to_wire()
         if step.prompt_logprobs_host is not None:
             step.prompt_logprobs = step.prompt_logprobs_host.to_wire()
-        if step.tokens_host is None:
-            return np.zeros(0, dtype=np.int32)
-        tokens = step.tokens_host.numpy().astype(np.int32)
-        InputBatch.append_sampled(step.states, tokens)
+        if self._last_launched is step:
+            self._last_launched = None
         return tokens

@@ -5,6 +5,9 @@ receive a step plan -> apply it and launch the step on the device -> finalize th
 
 Launching step N+1 before finalizing step N keeps the device busy while the scheduler plans
 ahead. When no plan is waiting and the launched step has completed, it is finalized at once.
+
+`CompileGrammars` messages (structured outputs) are handed to the compile thread
+(workers/structured_output.py), which answers the scheduler on a socket of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from common.errors import ExplainedError
 from common.proc import StepLog, engine_process_main
 from common.profiling import WorkerProfiling, run_id_of
 from common.protocol import (
+    CompileGrammars,
+    GrammarCompiled,
     InitKVCache,
     KVCacheReady,
     Ping,
@@ -62,7 +67,10 @@ class WorkerProcess:
         self.plans = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
         self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
-        self.runner = ModelRunner(config, rank, endpoints.dist_init, endpoints.listen_fds.get(endpoints.dist_init, -1))
+        self.endpoints = endpoints
+        self._grammar_results: zmq.Socket | None = None  # made, used (and closed) by the compile thread only
+        self.runner = ModelRunner(config, rank, endpoints.dist_init, endpoints.listen_fds.get(endpoints.dist_init, -1),
+                                  report_grammar=self._report_grammar)
         self.step_log = StepLog(f"worker-tp{rank}")
         device = str(resolve_device(config.device, rank))
         self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
@@ -81,6 +89,13 @@ class WorkerProcess:
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
                                                                       "cpu_threads": self.cpu_threads}))
+
+    def _report_grammar(self, msg: GrammarCompiled) -> None:
+        """Called from the compile thread: ZeroMQ sockets are not thread-safe, so it sends on its own."""
+        if self._grammar_results is None:
+            self._grammar_results = self.endpoints.make_socket(self.ctx, zmq.PUSH, self.endpoints.worker_out,
+                                                               bind=False)
+        ipc.send(self._grammar_results, msg)
 
     def serve(self) -> None:
         with peer_loss_explained():  # a rank that died: the survivors report a consequence, the launcher names it
@@ -108,6 +123,9 @@ class WorkerProcess:
             if isinstance(msg, (ProfileStart, ProfileStop)):
                 self.profiling.control(msg, pending.step_id if pending is not None else None)
                 continue
+            if isinstance(msg, CompileGrammars):
+                self.runner.structured.compile(msg)
+                continue
             if isinstance(msg, Shutdown):
                 if pending is not None:
                     self._finish(pending)
@@ -128,7 +146,7 @@ class WorkerProcess:
         self.profiling.phases.begin("send result", step.step_id)
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
-                                              step.prompt_logprobs))
+                                              step.prompt_logprobs, step.failed))
         self.profiling.phases.end()
         self.profiling.step_done(step.step_id, step.timings)
         self.step_log.write({"step": step.step_id, **step.timings})
@@ -136,6 +154,9 @@ class WorkerProcess:
             log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
 
     def close(self) -> None:
+        self.runner.structured.close()
+        if self._grammar_results is not None and self.runner.structured.idle:
+            self._grammar_results.close()
         for sock in (self.control, self.plans, self.results):
             sock.close()
         self.step_log.close()

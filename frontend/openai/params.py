@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutputsParams
 from frontend.openai.schema import ChatCompletionRequest, CompletionRequest
 
 MAX_TOKEN_ID_DIGITS = 19  # 2**63 - 1 has 19 digits: a longer logit_bias key is no token id (and int() may refuse it)
@@ -78,6 +78,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_model_le
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": structured_outputs(req),
     }
     request_names = {"logprobs": "top_logprobs" if chat else "logprobs",
                      "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"}
@@ -103,3 +104,53 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise UnsupportedField("logit_bias", f"logit_bias: keys must be token ids (decimal digits, below 2**63), "
                                              f"got {shown!r}")
     return {int(k): v for k, v in bias.items()}
+
+
+# vLLM's structured-output request fields -> the StructuredOutputsParams field each sets
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_output_field(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field that constrains its output (`response_format`, `structured_outputs`, `guided_*`), or
+    None."""
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        return "response_format"
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    return next((name for name in GUIDED_FIELDS if getattr(req, name) is not None), None)
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's `SamplingParams.structured_outputs` (as a dict), from OpenAI's `response_format`
+    (`json_object`: any JSON object; `json_schema`: its `schema`) or vLLM's `structured_outputs` and
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; None if it sets none. Raises
+    `UnsupportedField` naming the field for more than one of them, or a value StructuredOutputsParams refuses
+    (a schema the grammar library cannot compile fails the request later, from the engine)."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise UnsupportedField("response_format", "response_format: type 'json_schema' needs "
+                                                      "json_schema.schema (a JSON schema)")
+        given.append(("response_format", {"json": spec.json_schema}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in GUIDED_FIELDS.items():
+        if getattr(req, name) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = [name for name, _ in given]
+        raise UnsupportedField(names[1], f"{names[1]}: only one structured-output field may be set, got "
+                                         f"{' and '.join(names)}")
+    name, value = given[0]
+    try:
+        StructuredOutputsParams.from_value(dict(value))
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedField(name, f"{name}: {exc}") from None
+    return value

@@ -38,7 +38,7 @@ from common.protocol import ERROR_ENGINE_DOWN, ERROR_INVALID_REQUEST, GenerateRe
 from common.sampling_params import SamplingParams
 from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream, merge_outputs
 from frontend.openai import metrics
-from frontend.openai.params import UnsupportedField, sampling_params
+from frontend.openai.params import UnsupportedField, sampling_params, structured_output_field
 from frontend.openai.responses import (
     SSE_DONE,
     ChatChunks,
@@ -246,12 +246,15 @@ def install_error_handlers(app: FastAPI) -> None:
                         "server_error").response()
 
 
-def engine_error(out: RequestOutput, param: str) -> APIError:
+def engine_error(out: RequestOutput, param: str, structured_param: str | None = None) -> APIError:
     """The HTTP error for a request the engine ended with an error. `param` is the field an invalid
     request is blamed on (the prompt), unless the engine's message starts with a sampling field's name
-    ("n must be in [1, max_num_seqs=256] ...", "logit_bias keys must be token ids in [0, 151669) ...")."""
+    ("n must be in [1, max_num_seqs=256] ...", "logit_bias keys must be token ids in [0, 151669) ...");
+    a constraint the workers could not compile names `structured_param`, the request field that gave it."""
     if out.error_type == ERROR_INVALID_REQUEST:
         message = out.error or "invalid"
+        if structured_param is not None and message.startswith("structured_outputs"):
+            return APIError(400, f"{structured_param}: {message}", param=structured_param)
         named = re.match(r"[a-z_]+", message)
         if named is not None and named.group(0) in SAMPLING_FIELDS:
             return APIError(400, message, param=named.group(0))
@@ -463,18 +466,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     # ------------------------------------------------------------------ generation
     async def run(request: Request, requests: list[GenerateRequest], stream: bool, param: str,
-                  respond: Callable[[list[RequestOutput]], dict[str, Any]], writer: ChunkWriter) -> Response:
+                  respond: Callable[[list[RequestOutput]], dict[str, Any]], writer: ChunkWriter,
+                  structured_param: str | None = None) -> Response:
         """Submit `requests` (one per prompt); answer with `respond(final outputs)` as JSON, or stream the
         chunks of `writer` as SSE. A request refused by the engine is an error status naming `param` (or
-        the sampling field the engine names), also when streaming: the stream starts only once every
-        request has produced its first output."""
+        the sampling field the engine names, or `structured_param` for a constraint the workers could not
+        compile), also when streaming: the stream starts only once every request has produced its first
+        output."""
         streams = submit(requests)
         handed_over = False
         try:
             outs = await until_disconnect(request, first_outputs(streams) if stream else final_outputs(streams))
             bad = next((o for o in outs if failed(o)), None)
             if bad is not None:
-                raise engine_error(bad, param)
+                raise engine_error(bad, param, structured_param)
             if not stream:
                 return JSONResponse(respond(outs))
             handed_over = True
@@ -526,7 +531,7 @@ def build_app(state: ServerState) -> FastAPI:
         choices = choices_of(len(prompts), sampling)
         writer = CompletionChunks(head, choices, *stream_flags(req))
         return await run(request, requests, bool(req.stream), "prompt",
-                         lambda outs: completion_response(head, outs, choices), writer)
+                         lambda outs: completion_response(head, outs, choices), writer, structured_output_field(req))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -535,9 +540,6 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "echo: not supported", param="echo")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools: tool calling is not supported", param="tools" if req.tools else "tool_choice")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format: only type 'text' is supported, got {req.response_format.type!r}",
-                           param="response_format")
         sampling = params_dict(req)
         gen = GenerateRequest(client.new_request_id(), messages=chat_messages(req.messages), sampling=sampling,
                               stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
@@ -548,7 +550,7 @@ def build_app(state: ServerState) -> FastAPI:
                              "system_fingerprint": None}, choices, *stream_flags(req))
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         return await run(request, [gen], bool(req.stream), "messages",
-                         lambda outs: chat_response(head, outs[0], choices), writer)
+                         lambda outs: chat_response(head, outs[0], choices), writer, structured_output_field(req))
 
     # ------------------------------------------------------------------ profiling (vLLM's routes)
     @app.post("/start_profile", response_model=ProfileResponse,

@@ -58,6 +58,12 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # not with stream=true (vLLM)
+    # vLLM's structured-output fields (frontend/openai/params.py: at most one of them, or response_format)
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields: {"json": schema}, ...
+    guided_json: dict[str, Any] | str | None = None  # a JSON schema
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF (GBNF)
 
 
 class CompletionRequest(SamplingFields):
@@ -84,9 +90,19 @@ class ChatMessage(RequestModel):
     name: str | None = None
 
 
+class JSONSchemaFormat(RequestModel):
+    """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the engine is always strict)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # pydantic's own `schema`
+    strict: bool | None = None
+
+
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -1,0 +1,195 @@
+"""Structured outputs through the whole engine on a tiny random-weight model (random logits are the hardest
+case for a mask: the model never wants what the grammar allows): JSON schemas, regex, choice and EBNF
+constraints, greedy and at temperature 1; unconstrained neighbours unaffected; chunked prefill, preemption
+and n > 1; and every way a constraint can be bad, refused by name for that request alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from tests.conftest import synthetic_prompt
+from tests.structured_schemas import SCHEMAS
+
+PROMPT = synthetic_prompt(11, seed=7)
+FORMATS = jsonschema.FormatChecker()
+EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num " + " num\nnum ::= [1-9] [0-9]?'
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3: Path):
+    engine = LLM(str(tiny_qwen3), device="cpu", block_size=16, max_model_len=512, num_kvcache_blocks=400)
+    yield engine
+    engine.shutdown()
+
+
+def assert_valid_json(out: dict, schema: dict) -> None:
+    """A finished output parses and validates; one cut by max_tokens (`length`) is a prefix the grammar allows."""
+    for sample in out["outputs"]:
+        assert sample["finish_reason"] in ("stop", "length"), sample
+        if sample["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(sample["text"]), schema, format_checker=FORMATS)
+
+
+def json_params(schema: dict, **kwargs: object) -> SamplingParams:
+    return SamplingParams(structured_outputs={"json": schema}, **{"max_tokens": 120, **kwargs})
+
+
+# ============================================================================ JSON schemas
+@pytest.mark.parametrize(("temperature", "any_whitespace"), [(0.0, True), (1.0, False)])
+def test_twenty_schemas_give_valid_json_on_a_random_model(llm: LLM, temperature: float, any_whitespace: bool) -> None:
+    """(A random model spends most of its tokens on the whitespace it may put between elements: at temperature 1
+    it may put none, which keeps the test short.)"""
+    so = [{"json": s, "disable_any_whitespace": not any_whitespace} for s in SCHEMAS]
+    params = [SamplingParams(structured_outputs=so[i], temperature=temperature, seed=i, max_tokens=120)
+              for i in range(len(SCHEMAS))]
+    outs = llm.generate([PROMPT] * len(SCHEMAS), params, use_tqdm=False)
+    for out, schema in zip(outs, SCHEMAS):
+        assert_valid_json(out, schema)
+    stopped = sum(o["finish_reason"] == "stop" for o in outs)
+    assert stopped >= 15, [o["text"] for o in outs]  # bounded schemas: most end within 120 tokens
+
+
+def test_json_object_gives_a_json_object_and_a_schema_given_as_text_counts_as_the_schema(llm: LLM) -> None:
+    outs = llm.generate([PROMPT] * 2, [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs={"json_object": True}),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": json.dumps(SCHEMAS[1])})],
+        use_tqdm=False)
+    if outs[0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(outs[0]["text"]), dict)
+    assert outs[0]["text"].startswith("{")
+    assert outs[1]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(outs[1]["text"]), SCHEMAS[1])
+
+
+def test_no_whitespace_when_any_whitespace_is_disabled(llm: LLM) -> None:
+    so = {"json": SCHEMAS[4], "disable_any_whitespace": True}
+    outs = llm.generate([PROMPT] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=so)
+                                       for s in range(4)], use_tqdm=False)
+    for out in outs:
+        assert_valid_json(out, SCHEMAS[4])
+        assert not re.search(r"[\s]", out["text"].replace(" ", "")) or out["finish_reason"] == "length"
+        text = json.loads(out["text"]) if out["finish_reason"] == "stop" else None
+        if text is not None:
+            assert out["text"] == json.dumps(text, separators=(",", ":"), ensure_ascii=False) or '"' in out["text"]
+
+
+# ============================================================================ regex, choice, EBNF
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_ebnf_outputs_are_in_their_language(llm: LLM, temperature: float) -> None:
+    regex = r"[A-Z][a-z]{2,5}-[0-9]{3}"
+    choices = ["yes", "no", "maybe later"]
+    params = []
+    for seed in range(4):
+        kw = {"temperature": temperature, "seed": seed, "max_tokens": 30}
+        params += [SamplingParams(structured_outputs={"regex": regex}, **kw),
+                   SamplingParams(structured_outputs={"choice": choices}, **kw),
+                   SamplingParams(structured_outputs={"grammar": EBNF}, **kw)]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out["finish_reason"] == "stop", out  # each language is finite and short
+        text = out["text"]
+        if i % 3 == 0:
+            assert re.fullmatch(regex, text), text
+        elif i % 3 == 1:
+            assert text in choices
+        else:
+            assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)?\)", text), text
+
+
+def test_a_constrained_request_cut_by_max_tokens_ends_with_length_and_returns_what_it_has(llm: LLM) -> None:
+    out = llm.generate([PROMPT], json_params(SCHEMAS[19], temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
+    assert out["text"].startswith("{")
+
+
+def test_unconstrained_requests_get_the_same_tokens_beside_constrained_ones(llm: LLM) -> None:
+    plain = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=12, top_k=50, max_tokens=12, ignore_eos=True)]
+    prompts = [synthetic_prompt(9 + i, seed=40 + i) for i in range(3)]
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    constrained = [json_params(s, temperature=1.0, seed=i) for i, s in enumerate(SCHEMAS[:6])]
+    mixed = llm.generate(prompts + [PROMPT] * 6, plain + constrained, use_tqdm=False)
+    assert [o["token_ids"] for o in mixed[:3]] == [o["token_ids"] for o in alone]
+    for out, schema in zip(mixed[3:], SCHEMAS[:6]):
+        assert_valid_json(out, schema)
+
+
+def test_seeded_constrained_requests_give_the_same_tokens_alone_batched(llm: LLM) -> None:
+    """The matcher of each row stands at its own tokens (pipelined steps: the token of step N reaches it before
+    step N+1's mask), whatever else runs in the batch."""
+    params = [json_params(SCHEMAS[i], temperature=1.0, seed=100 + i) for i in (0, 3, 10, 19)]
+    alone = [llm.generate([PROMPT], p, use_tqdm=False)[0]["token_ids"] for p in params]
+    batched = llm.generate([PROMPT] * 4, params, use_tqdm=False)
+    assert [o["token_ids"] for o in batched] == alone
+
+
+# ============================================================================ chunked prefill, preemption, n > 1
+def test_constrained_outputs_stay_the_same_chunked_and_preempted(llm: LLM, tiny_qwen3: Path, engine_factory) -> None:
+    prompts = [synthetic_prompt(40 + 3 * i, seed=60 + i) for i in range(8)]
+    params = [json_params(SCHEMAS[(5 * i) % 20], temperature=1.0, seed=200 + i, max_tokens=60) for i in range(8)]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    small = engine_factory(tiny_qwen3, block_size=8, max_model_len=512, max_num_batched_tokens=16,
+                           num_kvcache_blocks=40)
+    squeezed = small.generate(prompts, params, use_tqdm=False)
+    assert sum(o["metrics"]["num_preemptions"] for o in squeezed) > 0, "the small cache should force preemption"
+    assert [o["token_ids"] for o in squeezed] == [o["token_ids"] for o in reference]
+    for out, p in zip(squeezed, params):
+        assert_valid_json(out, p.structured_outputs.json)
+
+
+def test_each_of_n_samples_follows_the_schema_with_its_own_matcher(llm: LLM) -> None:
+    out = llm.generate([PROMPT], json_params(SCHEMAS[9], temperature=1.0, seed=5, n=4), use_tqdm=False)[0]
+    assert len(out["outputs"]) == 4
+    assert_valid_json(out, SCHEMAS[9])
+    assert len({tuple(s["token_ids"]) for s in out["outputs"]}) > 1  # distinct samples, each valid
+
+
+# ============================================================================ bad constraints
+@pytest.mark.parametrize(("so", "message"), [
+    ({"regex": "(abc"}, "structured_outputs.regex: the regex cannot be compiled"),
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar: the EBNF grammar cannot be compiled"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+     "structured_outputs.json: the JSON schema cannot be compiled"),
+])
+def test_a_constraint_the_library_cannot_compile_fails_that_request_alone(llm: LLM, so: dict, message: str) -> None:
+    good = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"choice": ["ok", "fine"]})
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([PROMPT] * 3, [SamplingParams(max_tokens=8, structured_outputs=so), good, plain],
+                        use_tqdm=False)
+    assert outs[0]["finish_reason"] == "error" and outs[0]["error"].startswith(message), outs[0]["error"]
+    assert outs[1]["text"] in ("ok", "fine") and len(outs[2]["token_ids"]) == 4
+    again = llm.generate([PROMPT], SamplingParams(max_tokens=8, structured_outputs=so), use_tqdm=False)[0]
+    assert again["error"] == outs[0]["error"]  # remembered: the same bad constraint fails at once, the same way
+
+
+def test_a_step_of_prefill_chunks_that_sample_nothing_has_no_logits_processing() -> None:
+    from workers.logits_processing import build_processing
+
+    assert build_processing([], np.zeros(0, np.float32), 1000) is None
+
+
+@pytest.mark.parametrize(("so", "message"), [
+    ({}, "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON text"),
+    ({"json": 5}, "structured_outputs.json must be a JSON schema"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list of non-empty strings"),
+    ({"choice": ["a", 3]}, "structured_outputs.choice must be a non-empty list"),
+    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+    ({"grammar": 7}, "structured_outputs.grammar must be a non-empty string"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be true or false"),
+    ({"json": {}, "disable_any_whitespace": 1}, "structured_outputs.disable_any_whitespace must be true or false"),
+    ({"jsonschema": {}}, "unknown structured_outputs fields ['jsonschema']"),
+    ("json", "structured_outputs must be a map"),
+])
+def test_a_malformed_constraint_is_refused_naming_the_field(so: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(structured_outputs=so)
