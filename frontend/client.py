@@ -29,6 +29,7 @@ import zmq
 
 from common import ipc
 from common.curve import CurveKeys, client_keys, load_key_file
+from common.errors import quote
 from common.protocol import (
     ERROR_INVALID_REQUEST,
     MAX_REQUEST_ID_CHARS,
@@ -99,15 +100,53 @@ def add_sampling_arguments(group: Any) -> None:
                        help="return each sampled token's logprob and the N most likely (0..20)")
     group.add_argument("--prompt-logprobs", type=int, default=None,
                        help="return each prompt token's logprob and the N most likely (0..20)")
+    # Structured outputs (SamplingParams.structured_outputs): at most one of these.
+    group.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="constrain the output to JSON valid against this schema (JSON text, or @FILE)")
+    group.add_argument("--json-object", action="store_true", help="constrain the output to some JSON object")
+    group.add_argument("--regex", default=None, help="constrain the whole output to match this regular expression")
+    group.add_argument("--choice", action="append", default=None,
+                       help="constrain the output to exactly one of these strings (repeat for each)")
+    group.add_argument("--grammar", default=None, metavar="EBNF",
+                       help="constrain the output to this EBNF (GBNF) grammar with a root rule (text, or @FILE)")
+
+
+# Structured-output flag -> the StructuredOutputsParams field it sets
+STRUCTURED_FLAGS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+
+
+def _structured_outputs_from_args(parser: ArgumentParser, args: Any) -> tuple[str, dict[str, Any]] | None:
+    """(the flag, the structured_outputs dict) of the structured-output flags, None without any; exits naming
+    the flag for two of them or for an @FILE that cannot be read."""
+    given = {flag: getattr(args, flag) for flag in STRUCTURED_FLAGS if getattr(args, flag) not in (None, False)}
+    if not given:
+        return None
+    options = [f"--{flag.replace('_', '-')}" for flag in given]
+    if len(given) > 1:
+        parser.error(f"{options[1]}: only one structured-output flag may be set, got {' and '.join(options)}")
+    (flag, value), = given.items()
+    if flag in ("json_schema", "grammar") and value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"{options[0]}: cannot read {quote(value[1:])}: {exc}")
+    return options[0], {STRUCTURED_FLAGS[flag]: value}
 
 
 def sampling_params_from_args(parser: ArgumentParser, args: Any, **fields: Any) -> SamplingParams:
     """SamplingParams from the sampling flags (`args`, parsed by `parser`) plus `fields`; a bad value exits
     with a one-line error naming its flag (e.g. "--top-p must be a finite number in (0, 1] ...")."""
+    option, structured = _structured_outputs_from_args(parser, args) or (None, None)
     try:
-        return SamplingParams(**fields, **{name: getattr(args, name) for name in SAMPLING_FLAGS})
+        return SamplingParams(**fields, **{name: getattr(args, name) for name in SAMPLING_FLAGS},
+                              structured_outputs=structured)
     except ValueError as exc:
-        parser.option_error(str(exc))
+        message = str(exc)
+        if option is not None and message.startswith("structured_outputs"):
+            parser.error(f"{option}: {message}")
+        parser.option_error(message)
 
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:

@@ -193,3 +193,49 @@ def test_a_step_of_prefill_chunks_that_sample_nothing_has_no_logits_processing()
 def test_a_malformed_constraint_is_refused_naming_the_field(so: object, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(structured_outputs=so)
+
+
+# ============================================================================ command-line flags
+def test_the_client_cli_constrains_by_choice_and_by_a_schema_file(llm: LLM, tmp_path: Path, capsys) -> None:
+    from frontend.client import main
+
+    code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "8", "--choice", "yes",
+                 "--choice", "no", "Answer:"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["text"] in ("yes", "no") and row["finish_reason"] == "stop", row
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS[1]))
+    code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "60", "--temperature", "0",
+                 "--json-schema", f"@{schema_file}", "Answer:"])
+    row = json.loads(capsys.readouterr().out)
+    direct = llm.generate(["Answer:"], json_params(SCHEMAS[1], max_tokens=60, temperature=0.0), use_tqdm=False)[0]
+    assert code == 0 and row["token_ids"] == direct["token_ids"]
+    assert_valid_json(row, SCHEMAS[1])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--regex", "a+", "--choice", "x"], "--choice: only one structured-output flag may be set, got --regex and "
+                                         "--choice"),
+    (["--json-schema", "{"], "--json-schema: structured_outputs.json is not valid JSON text"),
+    (["--json-schema", "[1]"], "--json-schema: structured_outputs.json must be a JSON schema"),
+    (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read '/nonexistent/schema.json'"),
+    (["--regex", ""], "--regex: structured_outputs.regex must be a non-empty string"),
+    (["--choice", ""], "--choice: structured_outputs.choice must be a non-empty list of non-empty strings"),
+])
+def test_the_client_cli_refuses_a_bad_structured_output_flag_by_name(argv: list[str], message: str, capsys) -> None:
+    from frontend.client import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "hi"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+
+
+def test_launch_refuses_a_bad_structured_output_flag_before_starting_an_engine(tiny_qwen3: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--prompt", "hi", "--device",
+                             "cpu", "--json-schema", "{"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--json-schema: structured_outputs.json is not valid JSON text" in result.stderr
