@@ -454,13 +454,14 @@ class _StubStep:
         self.timings: dict[str, float] = {}
         self.runner = runner
         self.logprobs = self.prompt_logprobs = None
+        self.failed: dict[int, str] = {}
 
     def ready(self) -> bool:
         return self.runner.num_plans >= 2  # the device is still busy when the next plan arrives
 
 
 class _StubRunner:
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:  # ModelRunner(config, rank, ..., report_grammar=)
         self.num_plans = 0
         self.finalized: list[int] = []
 
