@@ -217,6 +217,9 @@ class EngineClient:
         except zmq.ZMQError as exc:
             raise ValueError(f"cannot connect to the engine address {address!r}: {exc.strerror} "
                              "(expected tcp://host:port or ipc://path)") from None
+        # A DEALER with no peer queues nothing and blocks in send (the server refused this client's CURVE
+        # handshake, say): give up after dead_after_s, like a wait for an answer.
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(dead_after_s * 1000)))
         self.liveness = liveness
         self.ping_interval_s = ping_interval_s
         self.dead_after_s = dead_after_s
@@ -277,7 +280,7 @@ class EngineClient:
         if not requests:
             return
         if len(data) <= MIN_MAX_MESSAGE_BYTES or not (limit := self.max_message_bytes()) or len(data) <= limit:
-            self.sock.send(data, copy=False)
+            self._send(data)
             return
         base = len(encode(Submit([]))) + 8  # + the array header's growth with the count
         batch: list[GenerateRequest] = []
@@ -288,12 +291,22 @@ class EngineClient:
             if not self._sendable(req, too_large if n + base > limit else None):
                 continue
             if batch and size + n > limit:
-                ipc.send(self.sock, Submit(batch))
+                self._send(encode(Submit(batch)))
                 batch, size = [], base
             batch.append(req)
             size += n
         if batch:
-            ipc.send(self.sock, Submit(batch))
+            self._send(encode(Submit(batch)))
+
+    def _send(self, data: bytes) -> None:
+        """Send one encoded message. Raises `EngineConnectionError` if it cannot leave within `dead_after_s`
+        (no connection to the engine)."""
+        try:
+            self.sock.send(data, copy=False)
+        except zmq.Again:
+            raise EngineConnectionError(
+                f"cannot reach the engine at {self.address}: no connection for {self.dead_after_s:.0f} s (is it "
+                f"serving there? a server with --client-key refuses a client without its keys)") from None
 
     def _sendable(self, req: GenerateRequest, why: str | None) -> bool:
         """True if `why` is None; else False, and `req` finishes at once with that reason."""
@@ -311,7 +324,7 @@ class EngineClient:
 
     def abort(self, request_ids: list[str]) -> None:
         self._check_thread()
-        ipc.send(self.sock, Abort(list(request_ids)))
+        self._send(encode(Abort(list(request_ids))))
 
     # ------------------------------------------------------------------ receiving
     def _receive(self, timeout_s: float | None) -> bool:
@@ -324,7 +337,8 @@ class EngineClient:
                 self.liveness()
             now = time.monotonic()
             if now - self._last_ping > self.ping_interval_s:  # also tells the frontend this client still listens
-                ipc.send(self.sock, Ping(int(now)))
+                with contextlib.suppress(zmq.Again):  # not connected: the silence below ends the wait
+                    self.sock.send(encode(Ping(int(now))), zmq.NOBLOCK)
                 self._last_ping = now
             if self.sock.poll(100):
                 msg = decode(self.sock.recv())
@@ -361,7 +375,7 @@ class EngineClient:
         """The engine's model and limits. Raises `EngineConnectionError` if it does not answer."""
         self._check_thread()
         self._info = None
-        ipc.send(self.sock, GetEngineInfo())
+        self._send(encode(GetEngineInfo()))
         deadline = time.monotonic() + timeout_s
         while self._info is None:
             if not self._receive(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
@@ -385,7 +399,7 @@ class EngineClient:
     def _profile_request(self, msg: StartProfile | StopProfile, timeout_s: float) -> ProfileStatus:
         with self.exclusive():
             self._profile_status = None
-            ipc.send(self.sock, msg)
+            self._send(encode(msg))
             deadline = time.monotonic() + timeout_s
             while self._profile_status is None:
                 if not self._receive(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:

@@ -5,7 +5,9 @@ engine's host alone."""
 
 from __future__ import annotations
 
+import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -235,6 +237,25 @@ def test_a_client_port_served_with_a_key_answers_only_clients_that_have_it(tiny_
             stranger = EngineClient(address, curve=keys, dead_after_s=2)
             with pytest.raises(Exception, match="no answer from the engine"):
                 stranger.engine_info(timeout_s=3)
+            stranger.close()
+            # Once the server has refused the handshake the client's socket has no peer, and a send (a ping
+            # every 0.2 s here) would block for good: every wait still ends in its time, naming the cause.
+            stranger = EngineClient(address, curve=keys, dead_after_s=2, ping_interval_s=0.2)
+            errors: list[BaseException] = []
+
+            def ask(client: EngineClient = stranger, errors: list[BaseException] = errors) -> None:
+                for _ in range(3):
+                    try:
+                        client.engine_info(timeout_s=2)
+                    except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+                        errors.append(exc)
+
+            asker = threading.Thread(target=ask, daemon=True)
+            asker.start()
+            asker.join(30)
+            assert not asker.is_alive(), "a client without the server's keys waited past its timeouts"
+            assert len(errors) == 3 and all(re.search("no answer from the engine|cannot reach the engine at", str(e))
+                                            for e in errors), errors
             stranger.close()
         engine.check()
     finally:
