@@ -342,7 +342,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     index: int = 0  # the sample the fields above describe
     samples: list[SampleOutput] = field(default_factory=list)  # the other samples with news, index order
-    error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST or ERROR_ENGINE_DOWN
+    error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST, ERROR_ENGINE_DOWN or ERROR_OVERLOADED
 
     @property
     def outputs(self) -> list[SampleOutput]:
@@ -355,6 +355,7 @@ class RequestOutput:
 # RequestOutput.error_type: whose fault an error is, so an HTTP server can answer 400 or 503.
 ERROR_INVALID_REQUEST = "invalid_request"  # this request can never run (a field out of range, a prompt too long)
 ERROR_ENGINE_DOWN = "engine_down"  # the engine is shutting down or a process died: the request may be retried
+ERROR_OVERLOADED = "overloaded"  # refused at once by --max-waiting-requests: the same request may succeed later
 
 
 @_message

@@ -38,6 +38,7 @@ from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     ERROR_ENGINE_DOWN,
     ERROR_INVALID_REQUEST,
+    ERROR_OVERLOADED,
     MAX_REQUEST_ID_CHARS,
     Abort,
     AbortSeqs,
@@ -386,7 +387,8 @@ class FrontendProcess:
             if cap is not None and len(self.not_started) + len(accepted) >= cap:  # refused before any work
                 rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error", error=(
                     f"the engine is overloaded: {len(self.not_started) + len(accepted)} requests are waiting to start, "
-                    f"the most max_waiting_requests (--max-waiting-requests) allows is {cap}; try again later")))
+                    f"the most max_waiting_requests (--max-waiting-requests) allows is {cap}; try again later"),
+                    error_type=ERROR_OVERLOADED))
                 continue
             if time.monotonic() - beat > KEEPALIVE_S:  # a long batch: tell waiting clients this engine lives
                 beat = time.monotonic()
@@ -416,7 +418,7 @@ class FrontendProcess:
                 for i in range(len(state.samples)):
                     del self.samples[state.seq_id + i]
                 rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why,
-                                              error_type=ERROR_INVALID_REQUEST))
+                                              error_type=rejected[0].error_type if rejected else ERROR_INVALID_REQUEST))
                 self.stats.num_finished["error"] += 1
             accepted = []
         if accepted:

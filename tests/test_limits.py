@@ -16,7 +16,16 @@ import zmq
 
 from common.config import ConfigError, EngineConfig
 from common.ipc import free_port
-from common.protocol import PROTOCOL_VERSION, ErrorReply, GenerateRequest, RequestOutputs, Submit, decode, encode
+from common.protocol import (
+    ERROR_OVERLOADED,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    GenerateRequest,
+    RequestOutputs,
+    Submit,
+    decode,
+    encode,
+)
 from deltaserve import LLM, EngineClient, SamplingParams
 from tests.conftest import REPO, synthetic_prompt
 
@@ -128,6 +137,7 @@ def test_requests_beyond_max_waiting_requests_are_refused_at_once_naming_the_lim
         assert time.monotonic() - t0 < 5  # at once, not after the long request
         assert [o.request_id for o in refused] == ["w2", "w3"]
         assert all(o.finish_reason == "error" and "overloaded" in o.error and "is 2" in o.error for o in refused)
+        assert all(o.error_type == ERROR_OVERLOADED for o in refused)  # an HTTP server answers 503, not 500
         assert "max_waiting_requests" in refused[0].error
         sock.send(encode(Submit([GenerateRequest("all", prompt="x")], all_or_nothing=True)))
         (none,) = _reply(sock).outputs

@@ -161,3 +161,20 @@ def test_scheduler_stats_count_running_waiting_blocks_and_prefix_hits() -> None:
     sched.schedule()  # admits request 1, whose first two blocks are cached (the last one is recomputed)
     s = sched.stats()
     assert (s.num_running, s.num_waiting, s.prefix_cache_queries, s.prefix_cache_hits) == (1, 0, 24, 8)
+
+
+@pytest.mark.parametrize(("error_type", "status", "code"), [
+    ("invalid_request", 400, None),
+    ("engine_down", 503, "engine_unavailable"),
+    ("overloaded", 503, "engine_overloaded"),  # --max-waiting-requests: the client may try again (it was a 500)
+    (None, 500, None),
+])
+def test_an_engine_error_has_the_status_of_whose_fault_it_is(error_type: str | None, status: int,
+                                                              code: str | None) -> None:
+    from common.protocol import RequestOutput
+    from frontend.openai.routes import engine_error
+
+    out = RequestOutput("r", finished=True, finish_reason="error", error="the engine is overloaded: ...",
+                        error_type=error_type)
+    err = engine_error(out, "prompt")
+    assert err.status == status and err.body()["error"]["code"] == code, err.body()

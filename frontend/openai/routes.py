@@ -34,7 +34,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.protocol import ERROR_ENGINE_DOWN, ERROR_INVALID_REQUEST, GenerateRequest, ProfileStatus, RequestOutput
+from common.protocol import (
+    ERROR_ENGINE_DOWN,
+    ERROR_INVALID_REQUEST,
+    ERROR_OVERLOADED,
+    GenerateRequest,
+    ProfileStatus,
+    RequestOutput,
+)
 from common.sampling_params import SamplingParams
 from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream, merge_outputs
 from frontend.openai import metrics
@@ -261,6 +268,8 @@ def engine_error(out: RequestOutput, param: str, structured_param: str | None = 
         return APIError(400, f"{param}: {message}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
         return unavailable(out.error)
+    if out.error_type == ERROR_OVERLOADED:  # OpenAI's answer to an overloaded engine: 503, try again later
+        return APIError(503, out.error or "the engine is overloaded", "server_error", code="engine_overloaded")
     return APIError(500, out.error or "the engine failed this request", "server_error")
 
 
