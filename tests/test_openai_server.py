@@ -76,6 +76,12 @@ def test_models_lists_every_served_name_and_retrieves_one(client: openai.OpenAI)
         client.models.retrieve("gpt-4")
 
 
+def test_a_response_carries_the_first_served_name_whichever_was_asked(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=1)
+    chat = client.chat.completions.create(model="tiny-alias", messages=CHAT, max_completion_tokens=1)
+    assert completion.model == chat.model == "tiny"  # vLLM's rule for several --served-model-name
+
+
 def test_health_and_version_need_no_key(server: HTTPServer) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()["version"]

@@ -390,6 +390,8 @@ def build_app(state: ServerState) -> FastAPI:
         return client.info
 
     def model_name(requested: str | None) -> str:
+        """The name responses carry: the first served name (vLLM's rule), whichever of them was asked for.
+        Raises a 404 `APIError` for a name not served."""
         info = engine_info()
         names = info.served_model_names or [info.model]
         if requested is None or requested == "":
@@ -397,7 +399,7 @@ def build_app(state: ServerState) -> FastAPI:
         if requested not in names:
             raise APIError(404, f"the model {requested!r} does not exist: this server serves "
                                 f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
-        return requested
+        return names[0]
 
     def submit(requests: list[GenerateRequest]) -> list[RequestStream]:
         try:
@@ -432,7 +434,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def get_model(model_id: str) -> ModelCard:
-        return ModelCard(id=model_name(model_id), root=model_id, max_model_len=engine_info().max_model_len)
+        model_name(model_id)  # a 404 unless served
+        return ModelCard(id=model_id, root=model_id, max_model_len=engine_info().max_model_len)
 
     @app.get("/metrics", summary="Prometheus metrics (vLLM's names, prefix deltaserve:)")
     async def get_metrics() -> Response:
