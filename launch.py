@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -404,3 +405,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C before the engine's processes exist (reading the model, fetching the demo)
         print("deltaserve: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # stdout's reader left (`| head`); the engine was shut down on the way out
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush cannot fail
+        sys.exit(141)  # 128 + SIGPIPE, as a shell tool that a closed pipe ends

@@ -97,3 +97,18 @@ def test_ctrl_c_prints_the_text_generated_so_far_and_says_it_was_interrupted(
     else:
         match = re.search(r"Answer \(interrupted after (\d+) tokens?\): (.+)", out)
         assert match and 1 <= int(match.group(1)) < 3000 and match.group(2), out
+
+
+def test_answers_to_a_reader_that_left_end_quietly_with_sigpipes_status(tiny_qwen3: Path) -> None:
+    """`launch.py --json | head -1` with more lines than head takes: no BrokenPipeError traceback."""
+    launcher = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu", "--prompt", "a", "--prompt",
+         "b", "--max-tokens", "2", "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher.stdout.close()  # the reader is gone before the first answer is printed
+    try:
+        err = launcher.stderr.read()
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 141 and "Traceback" not in err, err
