@@ -379,10 +379,17 @@ def test_the_client_cli_refuses_a_bad_sampling_flag_by_name(argv: list[str], mes
     assert exit_info.value.code == 2 and message in err, err
 
 
-def test_launch_refuses_a_bad_sampling_flag_before_starting_an_engine(tiny_qwen3: Path) -> None:
-    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--prompt", "hi", "--top-p",
-                             "0", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--top-p must be a finite number in (0, 1]" in result.stderr
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--top-p", "0"], "--top-p must be a finite number in (0, 1]"),
+    (["--n", "100000"], "--n must be at most --max-num-seqs (256)"),  # it started the engine, then failed
+    (["--n", "9", "--max-num-seqs", "8"], "--n must be at most --max-num-seqs (8)"),
+])
+def test_launch_refuses_a_bad_sampling_flag_before_starting_an_engine(tiny_qwen3: Path, argv: list[str],
+                                                                     message: str) -> None:
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--prompt", "hi", *argv,
+                             "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "engine ready" not in result.stderr
 
 
 def test_the_cli_flags_reach_the_engine(llm: LLM, tiny_qwen3: Path, capsys) -> None:
