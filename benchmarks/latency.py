@@ -9,8 +9,10 @@ After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones re
 - TTFT: each request's time to first token, from the engine's own metrics (submission to first token);
 - TPOT: each request's time per output token after the first, (e2e - TTFT) / (output_len - 1), and
   decode tokens/s = batch / TPOT;
-- per-token latency: the time from one decode step's end to the next's, from the worker's step log
-  (`DELTASERVE_STEP_LOG_DIR`): how often each running request gets a token; on a GPU also the device
+- per-token latency: the time from one decode step's start to the next's, from the worker's step log
+  (`DELTASERVE_STEP_LOG_DIR`): how often each running request gets a token (step ends would pair up on a
+  CPU, where a pipelined step computes while it is launched and the previous one is finalized after it,
+  so their gaps alternate between a few ms and two steps); on a GPU also the device
   time of each decode step and the device's idle time before it (host-bound steps show idle time);
 - prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
   token, and over the device time of the prefill steps (GPU).
@@ -89,10 +91,10 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
     """The reported numbers of one batch size, from its raw timings and the worker's step log."""
     per_token, device, idle, prefill_device_s, prefill_wall = [], [], [], 0.0, []
     for t0, t1 in raw["windows"]:
-        mine = sorted((s for s in steps if t0 <= s.get("t_done", -1.0) <= t1), key=lambda s: s["t_done"])
+        mine = sorted((s for s in steps if t0 <= s.get("t_done", -1.0) <= t1), key=lambda s: s["t_start"])
         for prev, step in zip(mine, mine[1:]):
-            if step.get("decode"):
-                per_token.append(step["t_done"] - prev["t_done"])
+            if step.get("decode") and prev.get("decode"):  # not the prefill's time to the first decode step
+                per_token.append(step["t_start"] - prev["t_start"])
                 if "gpu_ms" in step:
                     device.append(step["gpu_ms"] / 1e3)
                     idle.append(step.get("idle_ms", 0.0) / 1e3)
@@ -152,7 +154,7 @@ def report(r: dict) -> None:
     if r["decode_tokens_per_s"] is not None:
         print(f"TPOT: {fmt(r['tpot_s'])}; decode {r['decode_tokens_per_s']:.1f} tok/s")
     if r["per_token_latency_s"] is not None:
-        print(f"per-token latency (decode step to decode step): {fmt(r['per_token_latency_s'])}")
+        print(f"per-token latency (decode step start to start): {fmt(r['per_token_latency_s'])}")
     if r["decode_step_device_s"] is not None:  # on a GPU: how much of a step is device work, how much waiting
         print(f"device time per decode step: {fmt(r['decode_step_device_s'])}; device idle before it: "
               f"{fmt(r['device_idle_before_decode_step_s'])}")
