@@ -240,6 +240,11 @@ class AsyncEngineClient:
         return await self._ask(lambda rid: GetEngineStats(rid), timeout_s)
 
     async def tokenize(self, request: GenerateRequest, timeout_s: float = 60.0) -> TokenizeResult:
+        """The token ids of `request`'s prompt or messages, as the engine encodes them; a result with `error`
+        for one the wire cannot carry (a lone surrogate, say), unsent."""
+        why = wire_error(request)
+        if why is not None:
+            return TokenizeResult(0, error=f"this request cannot be sent: {why}")
         return await self._ask(lambda rid: Tokenize(rid, request), timeout_s)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False,

@@ -76,6 +76,14 @@ def test_models_lists_every_served_name_and_retrieves_one(client: openai.OpenAI)
         client.models.retrieve("gpt-4")
 
 
+def test_tokenize_refuses_a_prompt_the_wire_cannot_carry_as_a_400(server: HTTPServer) -> None:
+    response = post(server, "/tokenize", {"prompt": "caf\ud800"})  # a lone surrogate: it was a 500
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "lone surrogate" in error["message"], error
+    assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
+
+
 def test_a_response_carries_the_first_served_name_whichever_was_asked(client: openai.OpenAI) -> None:
     completion = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=1)
     chat = client.chat.completions.create(model="tiny-alias", messages=CHAT, max_completion_tokens=1)
@@ -453,6 +461,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens", "less than 9223372036854775808"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "valid integer"),
+    # the wrong JSON type is refused, not converted (they ran as 3 tokens, 1 token and a stream)
+    ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "valid integer"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "valid integer"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
+    ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens", "valid boolean"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature", "valid number"),
     ({"prompt": "x", "seed": -1}, "seed", "greater than or equal to 0"),
     ({"prompt": "x", "seed": 2**64}, "seed", "less than 9223372036854775808"),
     ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),

@@ -20,7 +20,9 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a field of the wrong JSON type is a 400 naming it ("3" for max_tokens, "yes" for stream), as
+    # OpenAI answers, not converted; an integer still passes for a number.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class ResponseModel(BaseModel):
@@ -93,7 +95,7 @@ class ChatMessage(RequestModel):
 class JSONSchemaFormat(RequestModel):
     """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the engine is always strict)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True)
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # pydantic's own `schema`
