@@ -74,10 +74,8 @@ def test_no_whitespace_when_any_whitespace_is_disabled(llm: LLM) -> None:
                                        for s in range(4)], use_tqdm=False)
     for out in outs:
         assert_valid_json(out, SCHEMAS[4])
-        assert not re.search(r"[\s]", out["text"].replace(" ", "")) or out["finish_reason"] == "length"
-        text = json.loads(out["text"]) if out["finish_reason"] == "stop" else None
-        if text is not None:
-            assert out["text"] == json.dumps(text, separators=(",", ":"), ensure_ascii=False) or '"' in out["text"]
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"?', '""', out["text"])  # a cut output may end in a string
+        assert not re.search(r"\s", outside_strings), out["text"]  # not even xgrammar's ", " and ": "
 
 
 # ============================================================================ regex, choice, EBNF

@@ -162,12 +162,14 @@ class StructuredOutputManager:
 
     def _compile(self, g: GrammarSpec) -> Any:
         compiler = self._compiler or self._make_compiler()
+        # Without any whitespace, no whitespace at all: xgrammar's own separators would be ", " and ": ".
+        separators = None if g.any_whitespace else (",", ":")
         if g.kind == "json":
             return compiler.compile_json_schema(g.spec, any_whitespace=g.any_whitespace, strict_mode=True,
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE, separators=separators)
         if g.kind == "json_object":
             return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=g.any_whitespace,
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE, separators=separators)
         if g.kind == "regex":
             return compiler.compile_regex(g.spec)
         if g.kind == "choice":
