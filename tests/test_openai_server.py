@@ -84,6 +84,21 @@ def test_tokenize_refuses_a_prompt_the_wire_cannot_carry_as_a_400(server: HTTPSe
     assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
 
 
+@pytest.mark.parametrize("options", [
+    {"chat_template_kwargs": {"enable_thinking": False}},
+    {"add_generation_prompt": False, "continue_final_message": True},
+])
+def test_chat_template_options_reach_the_template(client: openai.OpenAI, tiny_qwen3: Path, options: dict) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "Hel"}] if options.get("continue_final_message") else CHAT
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    template = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+    text = tok.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **template},
+                                   **options.get("chat_template_kwargs", {}))
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=1,
+                                          extra_body=options)
+    assert chat.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def test_a_response_carries_the_first_served_name_whichever_was_asked(client: openai.OpenAI) -> None:
     completion = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=1)
     chat = client.chat.completions.create(model="tiny-alias", messages=CHAT, max_completion_tokens=1)

@@ -555,6 +555,8 @@ def build_app(state: ServerState) -> FastAPI:
         sampling = params_dict(req)
         gen = GenerateRequest(client.new_request_id(), messages=chat_messages(req.messages), sampling=sampling,
                               stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message,
+                              chat_template_kwargs=req.chat_template_kwargs or {},
                               add_special_tokens=req.add_special_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = choices_of(1, sampling)

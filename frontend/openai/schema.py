@@ -121,6 +121,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM's extra chat fields
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
     add_special_tokens: bool = False
     echo: bool = False
 
