@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
                                        ignore_eos=args.ignore_eos)
-    if params.n > args.max_num_seqs:  # the engine's own check, made before it starts (its samples run at once)
+    if params.n > args.max_num_seqs >= 1:  # the engine's own check, made before it starts (its samples run at once)
         parser.error(f"--n must be at most --max-num-seqs ({args.max_num_seqs}): the samples of a prompt run at "
                      f"once, got {params.n}")
     local_ranks = None

@@ -12,7 +12,16 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ErrorReply, Pong, RequestOutputs, decode
+from common.protocol import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    EngineInfo,
+    ErrorReply,
+    Pong,
+    ProfileStatus,
+    RequestOutputs,
+    decode,
+)
 from deltaserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -75,7 +84,8 @@ def _drain(sock: zmq.Socket, wait_ms: int) -> list[object]:
     replies = []
     while sock.poll(wait_ms):
         reply = decode(sock.recv())
-        assert isinstance(reply, (ErrorReply, RequestOutputs, Pong)) or type(reply).__name__ == "EngineInfo", reply
+        # a well-formed StartProfile / StopProfile is answered (here: profiling is off)
+        assert isinstance(reply, (ErrorReply, RequestOutputs, Pong, EngineInfo, ProfileStatus)), reply
         replies.append(reply)
         wait_ms = 0
     return replies
