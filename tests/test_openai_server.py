@@ -499,6 +499,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt", "must not be an empty list"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [[]]}, "prompt", "empty"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt[1]: "),  # which of the prompts
     ({"prompt": [151669]}, "prompt", "[0, 151669)"),
     ({"prompt": [2**63 - 1]}, "prompt", "[0, 151669)"),
     ({}, "prompt", "Field required"),

@@ -253,11 +253,13 @@ def install_error_handlers(app: FastAPI) -> None:
                         "server_error").response()
 
 
-def engine_error(out: RequestOutput, param: str, structured_param: str | None = None) -> APIError:
+def engine_error(out: RequestOutput, param: str, structured_param: str | None = None,
+                 index: int | None = None) -> APIError:
     """The HTTP error for a request the engine ended with an error. `param` is the field an invalid
     request is blamed on (the prompt), unless the engine's message starts with a sampling field's name
     ("n must be in [1, max_num_seqs=256] ...", "logit_bias keys must be token ids in [0, 151669) ...");
-    a constraint the workers could not compile names `structured_param`, the request field that gave it."""
+    a constraint the workers could not compile names `structured_param`, the request field that gave it.
+    `index`: which of several prompts it was, named in the message ("prompt[1]: the prompt is empty")."""
     if out.error_type == ERROR_INVALID_REQUEST:
         message = out.error or "invalid"
         if structured_param is not None and message.startswith("structured_outputs"):
@@ -265,7 +267,7 @@ def engine_error(out: RequestOutput, param: str, structured_param: str | None = 
         named = re.match(r"[a-z_]+", message)
         if named is not None and named.group(0) in SAMPLING_FIELDS:
             return APIError(400, message, param=named.group(0))
-        return APIError(400, f"{param}: {message}", param=param)
+        return APIError(400, f"{param if index is None else f'{param}[{index}]'}: {message}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
         return unavailable(out.error)
     if out.error_type == ERROR_OVERLOADED:  # OpenAI's answer to an overloaded engine: 503, try again later
@@ -489,9 +491,9 @@ def build_app(state: ServerState) -> FastAPI:
         handed_over = False
         try:
             outs = await until_disconnect(request, first_outputs(streams) if stream else final_outputs(streams))
-            bad = next((o for o in outs if failed(o)), None)
+            bad = next((i for i, o in enumerate(outs) if failed(o)), None)
             if bad is not None:
-                raise engine_error(bad, param, structured_param)
+                raise engine_error(outs[bad], param, structured_param, bad if len(outs) > 1 else None)
             if not stream:
                 return JSONResponse(respond(outs))
             handed_over = True
