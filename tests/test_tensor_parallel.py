@@ -22,6 +22,16 @@ from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, hf_greedy, prompt_
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
+def generate_at_tp1_and_tp2(model: Path, engine_factory, prompts: list, params: list) -> list[list[dict]]:
+    """`LLM.generate(prompts, params)` on an engine of TP=1, then of TP=2 (the same engine seed, 11)."""
+    results = []
+    for tp in (1, 2):
+        llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    return results
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_tp2_greedy_tokens_equal_tp1_and_transformers(arch: str, tiny_qwen3: Path, tiny_llama: Path,
                                                       engine_factory) -> None:
@@ -49,13 +59,9 @@ def test_tp2_samples_the_same_tokens_as_tp1(tiny_qwen3: Path, engine_factory) ->
               for t, s in [(0.7, 1), (1.0, 2), (1.5, 3), (0.3, 4)]]
     unseeded = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 4
     prompts = TEXT_PROMPTS[:4] + [TEXT_PROMPTS[0]] * 4  # the same prompt: different outputs are sampling
-    outs = []
-    for tp in (1, 2):
-        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
-        outs.append([o["token_ids"] for o in llm.generate(prompts, seeded + unseeded, use_tqdm=False)])
-        llm.shutdown()
-    assert outs[0] == outs[1]
-    assert len({tuple(t) for t in outs[0][4:]}) > 1  # the unseeded requests really sample
+    one, two = generate_at_tp1_and_tp2(tiny_qwen3, engine_factory, prompts, seeded + unseeded)
+    assert [o["token_ids"] for o in one] == [o["token_ids"] for o in two]
+    assert len({tuple(o["token_ids"]) for o in one[4:]}) > 1  # the unseeded requests really sample
 
 
 def test_cpu_workers_share_the_cores_unless_omp_num_threads_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,11 +198,7 @@ def test_tp2_processes_filtered_penalized_and_logprob_rows_exactly_as_tp1(tiny_q
         SamplingParams(temperature=1.0, n=3, top_k=50, seed=5, max_tokens=8, ignore_eos=True),
     ]
     prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(params))]
-    results = []
-    for tp in (1, 2):
-        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
-        results.append(llm.generate(prompts, params, use_tqdm=False))
-        llm.shutdown()
+    results = generate_at_tp1_and_tp2(tiny_qwen3, engine_factory, prompts, params)
     for one, two in zip(*results):
         assert [s["token_ids"] for s in one["outputs"]] == [s["token_ids"] for s in two["outputs"]]
         for a, b in zip(one["outputs"], two["outputs"]):
@@ -225,11 +227,7 @@ def test_tp2_constrained_rows_draw_what_tp1_draws(tiny_qwen3: Path, engine_facto
               SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=40,
                              structured_outputs={"json": schema, "disable_any_whitespace": True})]
     prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(params))]
-    results = []
-    for tp in (1, 2):
-        llm = engine_factory(tiny_qwen3, block_size=16, max_model_len=512, tensor_parallel_size=tp, seed=11)
-        results.append(llm.generate(prompts, params, use_tqdm=False))
-        llm.shutdown()
+    results = generate_at_tp1_and_tp2(tiny_qwen3, engine_factory, prompts, params)
     for one, two in zip(*results):
         assert [s["token_ids"] for s in one["outputs"]] == [s["token_ids"] for s in two["outputs"]]
     for sample in results[1][4]["outputs"]:
