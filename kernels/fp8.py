@@ -19,10 +19,10 @@ import triton.language as tl
 
 FP8_E4M3_MAX = 448.0
 
-_FLOAT32_TWO_POW_MINUS_6 = 0x3C800000  # bits of 2^-6, the smallest normal e4m3 value
-_FLOAT32_MAX_E4M3 = 0x43E00000  # bits of 448.0
-_FLOAT32_TWO_POW_14 = 0x46800000  # bits of 2^14: its float32 ulp is 2^-9, the e4m3 subnormal step
-_FLOAT32_INF = 0x7F800000
+_FLOAT32_TWO_POW_MINUS_6 = tl.constexpr(0x3C800000)  # bits of 2^-6, the smallest normal e4m3 value
+_FLOAT32_MAX_E4M3 = tl.constexpr(0x43E00000)  # bits of 448.0
+_FLOAT32_TWO_POW_14 = tl.constexpr(0x46800000)  # bits of 2^14: its float32 ulp is 2^-9, the e4m3 subnormal step
+_FLOAT32_INF = tl.constexpr(0x7F800000)
 
 
 @triton.jit
