@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -738,7 +739,7 @@ def _struct_to_wire(value: Any) -> list[Any]:
     end = len(values)
     while end and _at_default(values[end - 1], defaults[end - 1]):
         end -= 1
-    return [_array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
+    return [v if type(v) in _SCALARS else _array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
             for v, (_, hint) in zip(values[:end], _HINTS[cls])]
 
 
@@ -749,7 +750,7 @@ def _array_to_wire(value: np.ndarray, hint: Any) -> bytes:
 def _to_wire(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return i32(value).tobytes()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if type(value) in _HINTS:  # a registered struct (only those can travel)
         return _struct_to_wire(value)
     if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):  # e.g. 100k prompt token ids: no per-item call
@@ -837,6 +838,121 @@ def decode(data: bytes) -> Any:
 
 
 def _build(cls: type, values: Any, where: str) -> Any:
+    """The struct `cls` from its wire fields. The checks compiled for `cls` run first; only a message they
+    refuse is checked again field by field, which names the field that is wrong (a path string per field
+    made for every message cost more than the rest of decoding: 27 us per token of logprobs)."""
+    try:
+        return _fast_builder(cls)(values)
+    except _Mismatch:
+        return _checked_build(cls, values, where)
+
+
+class _Mismatch(Exception):
+    """A compiled check refused a value; the slow checks say why, with the field's path."""
+
+
+_FAST: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _fast_builder(cls: type) -> Callable[[Any], Any]:
+    build = _FAST.get(cls)
+    if build is None:
+        names = [name for name, _ in _HINTS[cls]]
+        checks = [_fast_check(hint) for _, hint in _HINTS[cls]]
+
+        def build(values: Any) -> Any:
+            if type(values) is not list:
+                raise _Mismatch
+            try:
+                return cls(**{name: check(v) for name, check, v in zip(names, checks, values)})
+            except TypeError:
+                raise _Mismatch from None
+
+        _FAST[cls] = build
+    return build
+
+
+def _fast_check(hint: Any) -> Callable[[Any], Any]:
+    """A check of one field against `hint` that converts as `_check` does and raises `_Mismatch` where
+    `_check` raises `ProtocolError`."""
+    if hint in _FAST and hint not in _HINTS:
+        return _FAST[hint]
+    origin = typing.get_origin(hint)
+    check: Callable[[Any], Any]
+    if hint is Any:
+        def check(v: Any) -> Any:
+            return v
+    elif hint is Int32Array or hint is Float32Array:
+        dtype = "<i4" if hint is Int32Array else "<f4"
+
+        def check(v: Any) -> Any:
+            if type(v) is not bytes or len(v) % 4:
+                raise _Mismatch
+            return np.frombuffer(v, dtype=dtype)
+    elif origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        options = [_fast_check(a) for a in args if a is not type(None)]
+
+        def check(v: Any) -> Any:
+            if v is None and optional:
+                return None
+            for option in options[:-1]:
+                try:
+                    return option(v)
+                except _Mismatch:
+                    pass
+            return options[-1](v)
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        item_check = _fast_check(item)
+        plain = item if item in (int, str) else None
+
+        def check(v: Any) -> Any:
+            if type(v) is not list:
+                raise _Mismatch
+            if plain is not None and all(type(x) is plain for x in v):
+                return v
+            return [item_check(x) for x in v]
+    elif origin is dict:
+        key_check, value_check = (_fast_check(a) for a in typing.get_args(hint))
+
+        def check(v: Any) -> Any:
+            if type(v) is not dict:
+                raise _Mismatch
+            return {key_check(k): value_check(x) for k, x in v.items()}
+    elif hint in _HINTS:
+        def check(v: Any) -> Any:
+            return _fast_builder(hint)(v)
+    elif hint is float:
+        def check(v: Any) -> Any:
+            if type(v) is float:
+                return v
+            if type(v) is not int:  # bool is not int here, as in _check
+                raise _Mismatch
+            return float(v)
+    elif hint is int:
+        def check(v: Any) -> Any:
+            if type(v) is not int:
+                raise _Mismatch
+            return v
+    elif hint in (str, bool, bytes):
+        def check(v: Any) -> Any:
+            if not isinstance(v, hint):
+                raise _Mismatch
+            return v
+    else:
+        def check(v: Any) -> Any:
+            return v
+    if hint not in _HINTS:
+        try:
+            _FAST[hint] = check
+        except TypeError:  # an unhashable hint: not cached
+            pass
+    return check
+
+
+def _checked_build(cls: type, values: Any, where: str) -> Any:
     if not isinstance(values, list):
         raise ProtocolError(f"{where}: expected an array of fields")
     spec = _HINTS[cls]

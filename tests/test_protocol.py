@@ -26,6 +26,7 @@ from common.protocol import (
     NewBlocks,
     NewRequest,
     Ping,
+    PositionLogprobs,
     ProtocolError,
     RequestOutput,
     RequestOutputs,
@@ -34,6 +35,7 @@ from common.protocol import (
     StepPlan,
     StepResult,
     Submit,
+    TopLogprob,
     decode,
     encode,
     f32,
@@ -471,6 +473,71 @@ def test_corrupted_valid_messages_only_ever_raise_protocol_error(name: str, data
     cut = data.draw(st.integers(1, len(valid)))
 
     assert_decodes_or_refuses(bytes(valid[:cut]))
+
+
+def decode_field_by_field(data: bytes) -> Any:
+    """What `decode` gave before its checks were compiled: every field checked with its path."""
+    _, name, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    cls = protocol.MESSAGE_TYPES[name]
+    return protocol._checked_build(cls, values, name)
+
+
+def outcome(decoder: Any, data: bytes) -> Any:
+    try:
+        return ("message", decoder(data))
+    except ProtocolError as exc:
+        return ("refused", str(exc))
+
+
+@FUZZ
+@given(st.sampled_from(MESSAGE_NAMES), st.data())
+def test_the_compiled_checks_accept_and_refuse_exactly_what_the_field_by_field_checks_do(
+        name: str, data: st.DataObject) -> None:
+    valid = bytearray(encode(example_message(protocol.MESSAGE_TYPES[name])))
+    for _ in range(data.draw(st.integers(1, 4))):
+        valid[data.draw(st.integers(0, len(valid) - 1))] = data.draw(st.integers(0, 255))
+    corrupted = bytes(valid)
+    try:
+        head = msgpack.unpackb(corrupted, raw=False, strict_map_key=False)
+    except Exception:  # not msgpack any more: neither decoder gets to the fields
+        return
+    if not (isinstance(head, list) and len(head) >= 2 and head[0] == protocol.PROTOCOL_VERSION
+            and head[1] in protocol.MESSAGE_TYPES):
+        return
+    fast, slow = outcome(decode, corrupted), outcome(decode_field_by_field, corrupted)
+    assert fast[0] == slow[0]
+    if fast[0] == "message":
+        assert _same(fast[1], slow[1])
+    else:
+        assert fast[1] == slow[1]  # the same error, naming the same field
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        both = isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+        return both and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+def test_a_wrong_value_deep_in_an_outputs_logprobs_is_named_by_its_path() -> None:
+    top = [TopLogprob(j, -0.5, "abc") for j in range(5)]
+    lps = [PositionLogprobs(i, -1.5, 2, "tok", list(top)) for i in range(4)]
+    msg = RequestOutputs([RequestOutput("r1", "x", [1, 2, 3, 4], True, "length", logprobs=lps)])
+    obj = msgpack.unpackb(encode(msg), raw=False, strict_map_key=False)
+    assert decode(encode(msg)) == msg
+    fields = [f.name for f in dataclasses.fields(RequestOutput)]
+    obj[2][0][fields.index("logprobs")][3][4][2][1] = "bad"
+    path = r"RequestOutputs\.outputs\[0\]\.logprobs\[3\]\.top\[2\]\.logprob"
+    with pytest.raises(ProtocolError, match=rf"^{path}: expected a number"):
+        decode(msgpack.packb(obj, use_bin_type=True))
 
 
 # ============================================================================ step plan size
