@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_correctness import check_logprobs_close, our_runs
+from benchmarks.gpu_correctness import check_logprobs_close, failed_run, our_runs
 from tests.conftest import REPO
 
 TOP = [[1, 2, 3, 4, 5]] * 4
@@ -40,6 +40,14 @@ def test_every_backend_runs_with_graphs_on_and_off_and_both_kv_cache_dtypes() ->
     assert runs == {("triton", False, "auto"), ("triton", True, "auto"), ("triton", False, "fp8"),
                     ("triton", True, "fp8"), ("flash-attn", False, "auto"), ("flash-attn", True, "auto"),
                     ("torch", True, "auto"), ("torch", True, "fp8")}
+
+
+def test_a_run_that_raises_fails_the_gate_unless_its_backend_is_not_installed() -> None:
+    compile_error = RuntimeError("CompilationError: Cannot access global variable _FLOAT32_TWO_POW_14")
+    assert failed_run("deltaserve triton, eager, KV fp8", compile_error)["pass"] is False
+    missing = RuntimeError("attention backend 'flash-attn' cannot run here: neither flash-attn-4 nor 2 is installed")
+    assert failed_run("deltaserve flash-attn, eager, KV bf16", missing)["pass"] is None
+    assert failed_run("deltaserve flash-attn, eager, KV bf16", ImportError("flash_attn"))["pass"] is None
 
 
 @pytest.mark.slow
