@@ -7,6 +7,7 @@
 #   offline  throughput (triton, FA4, fp8 KV, --filtered), profile_step, latency, prefill, kernels  (~8 min)
 #   profiled the reference workload profiled into $out/profile                                      (~2 min)
 #   structured decode at batch 64 under one JSON schema against unconstrained (issue 16)           (~2 min)
+#   batch1   where a batch-1 decode step goes: profile_step and latency at temperature 0 and 1       (~3 min)
 #   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
 #   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
 set -uo pipefail
@@ -54,6 +55,17 @@ timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 1024 --out
     --max-num-batched-tokens 32768 --num-iters-warmup 3 --num-iters 10 --json "$out/prefill.json" 2>&1 \
     | tee "$out/prefill.log"
 timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
+fi
+if want batch1; then
+# Issue 15 target 2: on 2026-12-01 batch 1 decoded at 2.13 ms a token at temperature 1 (latency.py) against
+# 1.47 ms at temperature 0 over HTTP; the step at both temperatures, kernel by kernel, and end to end.
+for t in 0 1; do
+  timeout 200 python3 benchmarks/profile_step.py --model "$ckpt" --batch 1 --context 600 --temperature $t \
+      2>&1 | tee "$out/profile-step-batch1-t$t.log"
+  timeout 200 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 --output-len 512 --batch-size 1 \
+      --temperature $t --num-iters-warmup 2 --num-iters 5 --json "$out/latency-batch1-t$t.json" 2>&1 \
+      | tee "$out/latency-batch1-t$t.log"
+done
 fi
 if want serving; then
 # Over HTTP (benchmarks/serving.py starts the server itself): the reference workload as 256 concurrent
