@@ -234,6 +234,9 @@ class GenerateRequest:
     continue_final_message: bool = False  # leave the last message open, for the model to continue it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
     add_special_tokens: bool | None = None  # None: True for `prompt` (as tokenizer() does), False for `messages`
+    # Refuse the request when prompt + max_tokens exceeds max_model_len, instead of stopping it there with
+    # finish reason "length": the OpenAI server's rule for a max_tokens the client gave (vLLM answers 400).
+    max_tokens_within_context: bool = False
 
 
 @_message

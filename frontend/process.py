@@ -490,6 +490,9 @@ class FrontendProcess:
         error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks, vocab)
         if error is not None:
             raise PromptRejected(error, len(ids))
+        if req.max_tokens_within_context and len(ids) + params.max_tokens > self.config.max_model_len:
+            raise PromptRejected(context_length_error(len(ids), params.max_tokens, self.config.max_model_len,
+                                                      "messages" if req.messages is not None else "prompt"), len(ids))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -647,6 +650,13 @@ class FrontendProcess:
 
 
 LAUNCHER_GONE = "the launcher (the engine's parent process) is gone: it was killed or crashed"
+
+
+def context_length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int, where: str) -> str:
+    """vLLM's words for a request whose prompt and max_tokens do not fit in the context together."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {where} or completion.")
 
 
 class PromptRejected(ValueError):

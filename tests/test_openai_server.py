@@ -455,6 +455,27 @@ def test_prompt_longer_than_the_context_is_a_400_naming_both_lengths(client: ope
     assert "max_model_len is 512" in err.value.body["message"] and err.value.body["param"] == "messages"
 
 
+def test_a_prompt_and_max_tokens_beyond_the_context_is_a_400_as_in_vllm(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:  # 500 + 16 (the completions default) > 512
+        client.completions.create(model="tiny", prompt=[7] * 500)
+    assert err.value.body["param"] == "prompt"
+    assert err.value.body["message"] == ("prompt: This model's maximum context length is 512 tokens. However, you "
+                                         "requested "
+                                         "516 tokens (500 in the prompt, 16 in the completion). Please reduce the "
+                                         "length of the prompt or completion.")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=600, stream=True)
+    assert err.value.body["param"] == "messages" and "600 in the completion" in err.value.body["message"]
+    fits = client.completions.create(model="tiny", prompt=[7] * 500, max_tokens=12, temperature=0)
+    assert fits.usage.prompt_tokens + fits.usage.completion_tokens <= 512
+    # Without max_tokens a chat request may use the rest of the context, OpenAI's default: no refusal.
+    rest = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}],
+                                          temperature=0, stop=None, extra_body={"ignore_eos": True})
+    assert rest.choices[0].finish_reason == "length"
+    assert rest.usage.prompt_tokens + rest.usage.completion_tokens == 512
+
+
 def test_tokenize_and_detokenize_round_trip_like_the_prompt_runs(server: HTTPServer, tiny_qwen3: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     got = post(server, "/tokenize", {"prompt": PROMPT}).json()

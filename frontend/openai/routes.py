@@ -534,7 +534,7 @@ def build_app(state: ServerState) -> FastAPI:
         requests = []
         for p in prompts:
             gen = GenerateRequest(client.new_request_id(), sampling=sampling, stream=bool(req.stream),
-                                  add_special_tokens=req.add_special_tokens)
+                                  add_special_tokens=req.add_special_tokens, max_tokens_within_context=True)
             if isinstance(p, str):
                 gen.prompt = p
             else:
@@ -559,7 +559,9 @@ def build_app(state: ServerState) -> FastAPI:
                               stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message,
                               chat_template_kwargs=req.chat_template_kwargs or {},
-                              add_special_tokens=req.add_special_tokens)
+                              add_special_tokens=req.add_special_tokens,
+                              # without max_tokens a chat request may use the rest of the context (OpenAI's default)
+                              max_tokens_within_context=bool(req.max_completion_tokens or req.max_tokens))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = choices_of(1, sampling)
         writer = ChatChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
