@@ -188,16 +188,33 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if tags:  # a union: pydantic reports one error per alternative, each under its alternative's tag
         field = path.split(".")[0].split("[")[0]
         kinds: list[str] = []
+        by_kind: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for e in errors:
             sub_path, sub_tags = _path([p for p in e.get("loc", ()) if p != "body"])
-            if sub_path.split(".")[0].split("[")[0] == field and sub_tags and sub_tags[0] not in kinds:
-                kinds.append(sub_tags[0])
+            if sub_path.split(".")[0].split("[")[0] == field and sub_tags:
+                if sub_tags[0] not in kinds:
+                    kinds.append(sub_tags[0])
+                by_kind.setdefault(sub_tags[0], []).append((sub_path, e))
+        # An alternative whose shape fits and only some values do not (a token id of -3 in a list of ids):
+        # the client meant that one, so its first wrong value is named, with its index.
+        for kind in kinds:
+            if all(not _is_type_error(e) for _, e in by_kind[kind]):
+                sub_path, e = by_kind[kind][0]
+                return f"{sub_path}: {e.get('msg', 'invalid value')}{_got(e)}", field
         accepted = " or ".join(k.replace("constrained-int", "token id").replace("constrained-float", "number")
                                for k in kinds)
-        return f"{field}: {_given(first)}is none of the accepted types ({accepted})", field
+        given = _given(first) or f"a {type(first.get('input')).__name__} "  # a JSON object is not quoted back
+        return f"{field}: {given.replace('a dict ', 'an object ')}is none of the accepted types ({accepted})", field
     if first.get("type") == "extra_forbidden":
         return f"{path}: unknown field (this server refuses fields it does not know)", path
     return f"{path}: {first.get('msg', 'invalid value')}{_got(first)}", path.split(".")[0].split("[")[0]
+
+
+def _is_type_error(error: dict[str, Any]) -> bool:
+    """Whether pydantic refused a value for its JSON type (a string for an int, a list for a string), rather than
+    for its value (an int below the minimum)."""
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or kind in ("missing", "is_instance_of", "union_tag_invalid")
 
 
 def _path(loc: list[Any]) -> tuple[str, list[str]]:
