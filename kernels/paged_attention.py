@@ -15,10 +15,11 @@ query heads that read it, so every KV tile is loaded once per group. Query rows 
 least 16 so that `tl.dot` can use tensor cores.
 
 fp8 KV cache: the caches may hold float8 e4m3fn codes with one dequantization scale for the keys
-and one for the values of the layer (`kernels/kv_store.py`). A tile is widened to q's dtype as it
-is loaded (exactly: every e4m3 value is a bf16 and an fp16 value), and the scales never touch a
-tile: `q . (s_k k) = s_k (q . k)` goes into the softmax scale, and `sum_j p_j (s_v v_j)` is
-multiplied by `s_v` once, with the output.
+and one for the values of the layer (`kernels/kv_store.py`). A tile is widened as it is loaded, to fp16
+for a bf16 q (`query_for_cache`: one conversion instruction per two values on sm89+, where e4m3 -> bf16
+takes several) and to q's dtype otherwise, exactly in both (every e4m3 value is a bf16 and an fp16
+value); the scales never touch a tile: `q . (s_k k) = s_k (q . k)` goes into the softmax scale,
+and `sum_j p_j (s_v v_j)` is multiplied by `s_v` once, with the output.
 """
 
 import math
@@ -31,6 +32,17 @@ from kernels.kv_store import FP8_KV_DTYPE, check_kv_scales
 
 LOG2_E = math.log2(math.e)
 MIN_DOT_ROWS = 16
+
+
+@triton.jit
+def query_for_cache(q, k_cache_ptr):
+    """`q` in the dtype the cache's tiles are widened to: a bf16 q over an fp8 cache becomes fp16 (clamped to
+    fp16's range), so that each tile widens with one hardware conversion per two values (e4m3 -> f16 on sm89+;
+    e4m3 -> bf16 has no such instruction on sm90 and takes several), exactly (every e4m3 value is an fp16
+    value); fp16 also holds q with 3 more mantissa bits than bf16. Any other q is returned as loaded."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -83,7 +95,7 @@ def attend_kv_tile(
         kv_mask = (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    k = k.to(q.dtype)  # widens an fp8 tile; no-op otherwise
+    k = k.to(q.dtype)  # widens an fp8 tile (q is then fp16 or fp32: query_for_cache); no-op otherwise
     v = v.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2

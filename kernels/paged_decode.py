@@ -17,6 +17,7 @@ from kernels.paged_attention import (
     attend_kv_tile,
     check_paged_attention_args,
     dot_precision,
+    query_for_cache,
 )
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
@@ -78,6 +79,7 @@ def _paged_decode_kernel(
     q = tl.load(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=io_mask, other=0.0
     )
+    q = query_for_cache(q, k_cache_ptr)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)

@@ -15,6 +15,7 @@ from kernels.paged_attention import (
     attend_kv_tile,
     check_paged_attention_args,
     dot_precision,
+    query_for_cache,
 )
 
 
@@ -76,6 +77,7 @@ def _paged_prefill_kernel(
         mask=io_mask,
         other=0.0,
     )
+    q = query_for_cache(q, k_cache_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
