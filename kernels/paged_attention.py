@@ -37,9 +37,10 @@ MIN_DOT_ROWS = 16
 @triton.jit
 def query_for_cache(q, k_cache_ptr):
     """`q` in the dtype the cache's tiles are widened to: a bf16 q over an fp8 cache becomes fp16 (clamped to
-    fp16's range), so that each tile widens with one hardware conversion per two values (e4m3 -> f16 on sm89+;
-    e4m3 -> bf16 has no such instruction on sm90 and takes several), exactly (every e4m3 value is an fp16
-    value); fp16 also holds q with 3 more mantissa bits than bf16. Any other q is returned as loaded."""
+    fp16's range), so that a tile widens with PTX's `cvt.rn.f16x2.e4m3x2` (sm89+: one instruction per two
+    values) rather than through fp16 and fp32 to bf16, which is what the H200 run suggests the 0.85x fp8 figure
+    paid for (to be measured: benchmarks/RESULTS.md). Exact either way (every e4m3 value is an fp16 value), and
+    fp16 holds q with 3 more mantissa bits than bf16. Any other q is returned as loaded."""
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
