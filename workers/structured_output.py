@@ -214,7 +214,7 @@ class StructuredOutputManager:
         options: dict[str, Any] = ({"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
                                    if g.any_whitespace else {"whitespace_flexible": False})
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
-        matcher = llguidance.LLMatcher(lltok, grammar)
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)  # refusals are ours to report, not stderr's
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher
