@@ -1,21 +1,36 @@
 """Structured outputs on a worker: grammars compiled off the step loop, one matcher per constrained request,
 and the token bitmask of a step's constrained rows.
 
-Library: xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large
-Language Models", 2024; xgrammar.mlc.ai). `benchmarks/grammar_libraries.py` measured it against llguidance
-on this project's 2-core CI machine (2 threads each, a busy host), with a 20-field JSON schema (nested
-object, bounded arrays, enums, bounded numbers, patterns, formats, optional fields):
+Libraries: llguidance (Moskal et al., github.com/guidance-ai/llguidance: an Earley parser over lexemes, each mask a
+walk of the token trie through the lexer's lazily built DFA) for JSON schemas and JSON objects, and xgrammar
+(Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models", 2024:
+a pushdown automaton whose context-independent tokens are precomputed per grammar position, the others checked
+at run time) for regex, choice and EBNF; `backend="xgrammar"` (`structured_outputs_backend`) puts JSON on
+xgrammar too. `benchmarks/grammar_libraries.py` measured both on this project's 2-core CI machine (2 threads each,
+a busy host), on the Qwen3 vocabulary (151,936), batch 64, ms per step of the batch fill (mean / p50 / p99 / max):
 
-    vocabulary             library     compile     mask, batch 1 (mean / p50)   mask, batch 64 (mean / p50)
-    SmolLM2-135M (49,152)  xgrammar     56 ms        5 us /  2 us                0.87 ms / 0.32 ms
-    SmolLM2-135M (49,152)  llguidance    3 ms       50 us / 15 us                7.25 ms / 4.67 ms
-    Qwen3 (151,936)        xgrammar    141 ms       64 us /  2 us                3.53 ms / 2.48 ms
-    Qwen3 (151,936)        llguidance    6 ms      131 us / 18 us               14.12 ms / 13.80 ms
+    schema, tokens                          xgrammar                        llguidance
+    20 fields, teacher-forced               2.25 /  2.08 /      /           6.41 /  6.26 /       /
+    20 fields, random walk (100 steps)     68.95 / 84.52 / 189.5 / 219.4    5.52 /  2.85 /  30.3 /  46.6
+    tool call, random walk (100 steps)      3.95 /  3.63 /   9.1 /   9.8    1.61 /  1.05 /   3.9 /   4.8
 
-llguidance compiles almost nothing ahead and builds masks lazily; xgrammar precomputes the context-
-independent tokens of every grammar position, so its masks are 4 to 10 times faster, and a mask is on the
-path of every decode step while a compilation happens once per schema, off the step loop and cached. Hence
-xgrammar. (One-time set-up per vocabulary: 0.2 s and 0.9 s for xgrammar, 0.6 s and 2.3 s for llguidance.)
+(20 fields: `SCHEMA_20_FIELDS`, nested object, bounded arrays, enums, bounded numbers, patterns, formats; tool
+call: `TOOL_CALL_SCHEMA`, objects, strings, integers, enums, arrays, no formats. Teacher-forced: the tokens of
+one valid instance, what a trained model writes. Random walk: each row takes a uniformly random token among
+those allowed, what a random-weight model does, so rows stay inside long strings.)
+
+Where xgrammar's time goes on the random walk: 99% of it is in rows inside the `email` format, whose local part
+(a right-recursive rule, the quoted form `\"...\"` most of all) leaves tens of thousands of tokens to check at
+run time, and each check costs more as the string grows: one matcher alone reached 60-80 ms a step, against
+0.05 ms in an unbounded plain string. Not thread load-imbalance (the step's slowest matcher was 27 ms on average
+against 69 ms for the batch; its matchers added up over 2 threads, 42 ms), and not our code (the time is inside
+`batch_fill_next_token_bitmask`). llguidance's lexer turns every string, format and pattern into a DFA, so a
+mask costs about the same whatever the string's length: its costliest rows were in a `maxLength` string
+(0.36 ms mean, 5.6 ms max, while a new DFA state is built). A trained model closes its strings, where xgrammar
+is 3 times faster; but one slow row bounds the whole step, and xgrammar's worst case grows without bound while
+llguidance's stays within a few milliseconds: hence llguidance for JSON. Regex, choice and EBNF stay on xgrammar
+(its EBNF dialect is the documented one). A JSON grammar of llguidance costs about 2 ms to compile (xgrammar's
+100 ms) and a request's matcher is a copy of a compiled one (microseconds).
 
 Who owns the matchers: the worker. It sits next to the logits and already holds every request's tokens,
 so each matcher advances with the tokens the worker itself records, and nothing new crosses a socket per
@@ -26,15 +41,18 @@ for Qwen3) in every plan. The scheduler keeps only the book of which grammars ar
 Compilation runs in one daemon thread per worker (`CompileGrammars` in, a `GrammarCompiled` per grammar
 out, sent from that thread on a socket of its own), so the step loop never waits for it; xgrammar's
 compiler uses several threads inside one compilation, and releases the GIL while it works. The
-tokenizer and xgrammar's view of it (`TokenizerInfo`, about a second for Qwen3) are made on the first
-grammar, in that thread: an engine that never sees a constrained request pays nothing.
+tokenizer and each library's view of it (xgrammar's `TokenizerInfo`, llguidance's `LLTokenizer`, about a
+second each for Qwen3) are made on the first grammar that needs them, in that thread: an engine that never
+sees a constrained request pays nothing. A step's masks: xgrammar's rows with its BatchGrammarMatcher, then
+llguidance's with its LLExecutor, each with `threads` threads (default_threads).
 
 Pipelining: the worker launches step N+1 before step N's tokens reach the host, but a constrained row's
 mask for N+1 depends on its token from N. So when step N+1 has constrained rows, the worker launches
 N+1's forward first, then waits for step N's tokens (`ModelRunner.receive`: already queued on the device
 before that forward), advances the matchers with them, fills N+1's bitmask on the host while the device
 runs the forward, copies it up and launches the sampling. The device waits only when waiting for N's
-tokens plus filling the masks takes longer than N+1's forward; steps without constrained rows are not
+tokens plus filling the masks takes longer than N+1's forward (about 2 ms at batch 64 on an H200 for the
+Qwen3-0.6B shape: the budget of `benchmarks/structured_output.py`); steps without constrained rows are not
 touched. (Cost of the wait itself: the host cannot prepare anything else meanwhile, but the next plan
 is not there yet either: the worker would be idle otherwise.)
 
