@@ -1,18 +1,19 @@
 """Structured outputs on a worker: grammars compiled off the step loop, one matcher per constrained request,
 and the token bitmask of a step's constrained rows.
 
-Libraries: llguidance (Moskal et al., github.com/guidance-ai/llguidance: an Earley parser over lexemes, each mask a
-walk of the token trie through the lexer's lazily built DFA) for JSON schemas and JSON objects, and xgrammar
-(Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models", 2024:
-a pushdown automaton whose context-independent tokens are precomputed per grammar position, the others checked
-at run time) for regex, choice and EBNF; `backend="xgrammar"` (`structured_outputs_backend`) puts JSON on
-xgrammar too. `benchmarks/grammar_libraries.py` measured both on this project's 2-core CI machine (2 threads each,
-a busy host), on the Qwen3 vocabulary (151,936), batch 64, ms per step of the batch fill (mean / p50 / p99 / max):
+Libraries: llguidance (github.com/guidance-ai/llguidance, its docs/optimizations.md: an Earley parser over
+lexemes, each mask a walk of the token trie through the lexer's lazily built DFA) for JSON schemas and JSON
+objects, and xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large
+Language Models", 2024: a pushdown automaton whose context-independent tokens are precomputed per grammar
+position, the others checked at run time) for regex, choice and EBNF; `backend="xgrammar"`
+(`structured_outputs_backend`) puts JSON on xgrammar too. `benchmarks/grammar_libraries.py` measured both on this
+project's 2-core CI machine (2 threads each, a busy host), on the Qwen3 vocabulary (151,936), batch 64, ms per
+step of the batch fill (mean / p50 / p99 / max):
 
-    schema, tokens                          xgrammar                        llguidance
-    20 fields, teacher-forced               2.25 /  2.08 /      /           6.41 /  6.26 /       /
-    20 fields, random walk (100 steps)     68.95 / 84.52 / 189.5 / 219.4    5.52 /  2.85 /  30.3 /  46.6
-    tool call, random walk (100 steps)      3.95 /  3.63 /   9.1 /   9.8    1.61 /  1.05 /   3.9 /   4.8
+    schema, tokens                          xgrammar                          llguidance
+    20 fields, teacher-forced               2.16 /   2.11                     4.26 /  3.79
+    20 fields, random walk (100 steps)     76.57 / 106.10 / 206.9 / 207.0     6.25 /  3.31 /  36.0 /  36.4
+    tool call, random walk (100 steps)      3.21 /   3.25 /   8.0 /  11.5     1.77 /  1.09 /   5.9 /   6.6
 
 (20 fields: `SCHEMA_20_FIELDS`, nested object, bounded arrays, enums, bounded numbers, patterns, formats; tool
 call: `TOOL_CALL_SCHEMA`, objects, strings, integers, enums, arrays, no formats. Teacher-forced: the tokens of
@@ -20,17 +21,19 @@ one valid instance, what a trained model writes. Random walk: each row takes a u
 those allowed, what a random-weight model does, so rows stay inside long strings.)
 
 Where xgrammar's time goes on the random walk: 99% of it is in rows inside the `email` format, whose local part
-(a right-recursive rule, the quoted form `\"...\"` most of all) leaves tens of thousands of tokens to check at
-run time, and each check costs more as the string grows: one matcher alone reached 60-80 ms a step, against
-0.05 ms in an unbounded plain string. Not thread load-imbalance (the step's slowest matcher was 27 ms on average
-against 69 ms for the batch; its matchers added up over 2 threads, 42 ms), and not our code (the time is inside
+(a right-recursive rule, the quoted form `\\"...\\"` most of all) leaves tens of thousands of tokens to check at
+run time, each check costing more as the string grows: one matcher alone reached 86 ms a step, against 0.05 ms in
+an unbounded plain string. Thread load-imbalance is a smaller part (the batch took 77 ms a step on average, its
+slowest matcher 27 ms, its matchers added up over 2 threads 43 ms), and our code none (the time is inside
 `batch_fill_next_token_bitmask`). llguidance's lexer turns every string, format and pattern into a DFA, so a
-mask costs about the same whatever the string's length: its costliest rows were in a `maxLength` string
-(0.36 ms mean, 5.6 ms max, while a new DFA state is built). A trained model closes its strings, where xgrammar
-is 3 times faster; but one slow row bounds the whole step, and xgrammar's worst case grows without bound while
-llguidance's stays within a few milliseconds: hence llguidance for JSON. Regex, choice and EBNF stay on xgrammar
-(its EBNF dialect is the documented one). A JSON grammar of llguidance costs about 2 ms to compile (xgrammar's
-100 ms) and a request's matcher is a copy of a compiled one (microseconds).
+mask costs about the same whatever the string's length: its costliest rows were in a `maxLength` string (0.33 ms
+mean, 4.1 ms max, when new DFA states are built). A trained model closes its strings, where xgrammar is twice as
+fast; but one slow row bounds the whole step, and xgrammar's worst case grows without bound while llguidance's
+stays within a few milliseconds: hence llguidance for JSON. In the engine on CPU (a tiny random model, 64 rows,
+200 tokens) llguidance's masks took 5.6 ms a step (p99 35) for the 20-field schema and 2.1 ms (p99 8.7) for the
+tool call. Regex, choice and EBNF stay on xgrammar (its EBNF dialect is the documented one). A JSON grammar of
+llguidance costs about 2 ms to compile (xgrammar's 100 ms) and a request's matcher is a copy of a compiled one
+(microseconds). llguidance's JSON token slices (`LLTokenizer.json_slices`) changed nothing measurable.
 
 Who owns the matchers: the worker. It sits next to the logits and already holds every request's tokens,
 so each matcher advances with the tokens the worker itself records, and nothing new crosses a socket per
