@@ -6,7 +6,7 @@
 # PART (default all) picks one part, each under the device tool's 10 minutes per call:
 #   offline  throughput (triton, FA4, fp8 KV, --filtered), profile_step, latency, prefill, kernels  (~8 min)
 #   profiled the reference workload profiled into $out/profile                                      (~2 min)
-#   structured decode at batch 64 under two JSON schemas x two backends against unconstrained     (~4 min)
+#   structured decode at batch 64 under one JSON schema against unconstrained (issue 16)           (~2 min)
 #   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
 #   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
 set -uo pipefail
