@@ -25,6 +25,7 @@ from common.config import (
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
+    STRUCTURED_OUTPUTS_BACKENDS,
     ConfigError,
     EngineConfig,
 )
@@ -78,6 +79,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="auto = the model's dtype; fp8 = float8 e4m3 with a scale per layer for K and for V "
                         "(half the bytes of bf16; triton or torch attention backend)")
+    g.add_argument("--structured-outputs-backend", choices=STRUCTURED_OUTPUTS_BACKENDS, default="auto",
+                   help="auto = llguidance for JSON schemas and JSON objects, xgrammar for regex, choice and EBNF; "
+                        "xgrammar = xgrammar for all")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--max-waiting-requests", type=int, default=None,

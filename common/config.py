@@ -20,6 +20,7 @@ from common.sampling_params import SEED_LIMIT
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # auto: llguidance for JSON, xgrammar for the rest
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8 e4m3fn)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -59,6 +60,7 @@ class EngineConfig:
     seed: int = 0  # in [0, 2**63), the range of a request's seed
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    structured_outputs_backend: str = "auto"  # see workers/structured_output.py
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a per-layer scale for K and for V (workers/kv_cache.py)
     enable_prefix_caching: bool = True
     profile_dir: str | None = None  # profiling runs (common/profiling.py): every process writes its traces here
@@ -124,6 +126,9 @@ class EngineConfig:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ConfigError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                              f"got {self.structured_outputs_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":

@@ -32,7 +32,7 @@ timeout 400 python3 benchmarks/throughput.py --model "$ckpt" --attention-backend
     --profile-dir "$out/profile" 2>&1 | tee "$out/throughput-profiled.log"
 fi
 if want structured; then
-  timeout 300 python3 benchmarks/structured_output.py --model "$ckpt" --num-seqs 64 --max-tokens 256 \
+  timeout 500 python3 benchmarks/structured_output.py --model "$ckpt" --num-seqs 64 --max-tokens 256 \
       --json "$out/structured.json" 2>&1 | tee "$out/structured.log"
 fi
 if want offline; then

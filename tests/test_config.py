@@ -89,7 +89,9 @@ def test_gpu_memory_utilization_in_zero_to_one_is_accepted(model_dir: str, value
 @pytest.mark.parametrize(("name", "value"), [("dtype", "fp8"), ("dtype", "float64"), ("device", "tpu"),
                                              ("device", "cuda:0"), ("attention_backend", "xformers"),
                                              ("attention_backend", ""), ("kv_cache_dtype", "fp8_e5m2"),
-                                             ("kv_cache_dtype", "int8")])
+                                             ("kv_cache_dtype", "int8"),
+                                             ("structured_outputs_backend", "guidance"),
+                                             ("structured_outputs_backend", "outlines")])
 def test_unknown_choice_is_refused_naming_the_setting_and_the_choices(model_dir: str, name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be one of"):
         EngineConfig(model_dir, **{name: value})

@@ -5,14 +5,19 @@ and n > 1; and every way a constraint can be bad, refused by name for that reque
 
 from __future__ import annotations
 
+import itertools
 import json
+import queue
 import re
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
+import torch
+from transformers import AutoTokenizer
 
+from common.protocol import CompileGrammars, GrammarSpec, GrammarToCompile
 from deltaserve import LLM, SamplingParams
 from tests.conftest import synthetic_prompt
 from tests.structured_schemas import SCHEMAS
@@ -148,6 +153,111 @@ def test_each_of_n_samples_follows_the_schema_with_its_own_matcher(llm: LLM) -> 
     assert len(out["outputs"]) == 4
     assert_valid_json(out, SCHEMAS[9])
     assert len({tuple(s["token_ids"]) for s in out["outputs"]}) > 1  # distinct samples, each valid
+
+
+# ============================================================================ the two libraries
+def test_the_xgrammar_backend_gives_valid_json_for_the_twenty_schemas(tiny_qwen3: Path, engine_factory) -> None:
+    engine = engine_factory(tiny_qwen3, device="cpu", block_size=16, max_model_len=512, num_kvcache_blocks=400,
+                            structured_outputs_backend="xgrammar")
+    params = [SamplingParams(structured_outputs={"json": s}, temperature=1.0, seed=i, max_tokens=120)
+              for i, s in enumerate(SCHEMAS)]
+    outs = engine.generate([PROMPT] * len(SCHEMAS), params, use_tqdm=False)
+    for out, schema in zip(outs, SCHEMAS):
+        assert_valid_json(out, schema)
+    assert sum(o["finish_reason"] == "stop" for o in outs) >= 15, [o["text"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def manager(qwen3_tokenizer_dir: Path):
+    """A worker's structured-output manager on the Qwen3 tokenizer (two end tokens), without an engine."""
+    from workers.structured_output import StructuredOutputManager
+
+    reports: queue.Queue = queue.Queue()
+    m = StructuredOutputManager(str(qwen3_tokenizer_dir), 151936, [151645, 151643], 0, reports.put, threads=2)
+    yield m, reports
+    m.close()
+
+
+GRAMMAR_IDS = itertools.count(1)
+
+
+def compiled(manager, specs: list[GrammarSpec]) -> list:
+    """A new matcher of each of `specs`, compiled by `manager` (a (StructuredOutputManager, its reports) pair)."""
+    m, reports = manager
+    first = next(GRAMMAR_IDS) * 100
+    m.compile(CompileGrammars([GrammarToCompile(first + i, s) for i, s in enumerate(specs)]))
+    done = sorted((reports.get(timeout=60) for _ in specs), key=lambda r: r.grammar_id)
+    assert [r.error for r in done] == [None] * len(specs)
+    return [m.new_grammar(first + i) for i in range(len(specs))]
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_json_constraints_get_llguidance_matchers_and_the_others_xgrammar_ones(manager) -> None:
+    grammars = compiled(manager, [GrammarSpec("json", '{"type": "integer"}'), GrammarSpec("json_object", ""),
+                                  GrammarSpec("regex", "[ab]+"), GrammarSpec("choice", '["x", "y"]'),
+                                  GrammarSpec("grammar", 'root ::= "z"')])
+    assert [g.guidance for g in grammars] == [True, True, False, False, False]
+
+
+def test_every_end_token_is_allowed_where_a_json_grammar_may_end_and_only_they_once_it_is_complete(manager) -> None:
+    m, _ = manager
+    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_dir)
+    number, flag = compiled(manager, [GrammarSpec("json", '{"type": "integer"}'),
+                                      GrammarSpec("json", '{"type": "boolean"}')])
+    one, true = tokenizer.encode("1", add_special_tokens=False), tokenizer.encode("true", add_special_tokens=False)
+    assert len(one) == len(true) == 1
+    assert m.accept([number, flag], [one[0], true[0]]) == {}
+    mask = m.fill_bitmask([number, flag])
+    assert {151645, 151643} <= allowed(mask, 0) and one[0] in allowed(mask, 0)  # "12" or the end
+    assert flag.complete() and allowed(mask, 1) == {151643, 151645}
+    assert m.accept([flag], [151645]) == {} and allowed(m.fill_bitmask([flag]), 0) == {151643, 151645}
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar"])
+def test_properties_beyond_those_a_schema_lists_are_refused_by_either_library(qwen3_tokenizer_dir: Path,
+                                                                              backend: str) -> None:
+    """xgrammar's strict mode, which llguidance gets as additionalProperties false (`strict_schema`)."""
+    from workers.structured_output import StructuredOutputManager
+
+    reports: queue.Queue = queue.Queue()
+    m = StructuredOutputManager(str(qwen3_tokenizer_dir), 151936, [151645], 0, reports.put, threads=1,
+                                backend=backend)
+    inner = {"type": "object", "properties": {"b": {"type": "integer"}, "d": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": inner}}
+    (g,) = compiled((m, reports), [GrammarSpec("json", json.dumps(schema), any_whitespace=False)])
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir))
+    ids = tokenizer.encode('{"a":{"b":1,"c', add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert pieces[-1] == "c", pieces  # '"d' may follow '"b":1,', 'c' may not
+    refused = [bool(m.accept([g], [t])) for t in ids]
+    m.close()
+    assert refused == [False] * (len(pieces) - 1) + [True], pieces
+
+
+def test_strict_schema_closes_every_object_schema_but_leaves_values_and_set_choices_alone() -> None:
+    from workers.structured_output import strict_schema
+
+    obj = {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"properties": {"b": {"enum": [obj], "default": obj}}},
+                                               "c": {"type": "array", "items": obj},
+                                               "d": {"anyOf": [obj, {"type": "null"}]},
+                                               "e": {"type": "object", "additionalProperties": True},
+                                               "f": {"$ref": "#/$defs/g"}},
+              "$defs": {"g": {"type": ["object", "null"]}}}
+    closed = strict_schema(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["a"]["additionalProperties"] is False
+    assert props["a"]["properties"]["b"] == {"enum": [obj], "default": obj}  # values, not schemas
+    assert props["c"]["items"] == {"type": "object", "additionalProperties": False}
+    assert props["d"]["anyOf"] == [{"type": "object", "additionalProperties": False}, {"type": "null"}]
+    assert props["e"]["additionalProperties"] is True and props["f"] == {"$ref": "#/$defs/g"}
+    assert closed["$defs"]["g"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema and obj == {"type": "object"}  # the input is left as it was
 
 
 # ============================================================================ bad constraints

@@ -217,7 +217,7 @@ class ModelRunner:
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, head.vocab_size, list(config.eos_token_ids), rank,
             report_grammar or (lambda msg: None), default_threads(config.tensor_parallel_size),
-            pin_memory=self.device.type == "cuda")
+            pin_memory=self.device.type == "cuda", backend=config.structured_outputs_backend)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size,
                                 head.vocab_size, self.structured.new_grammar)
         self.processor = LogitsProcessor(self.device, config.max_num_seqs, head.vocab_size)

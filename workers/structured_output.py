@@ -1,21 +1,39 @@
 """Structured outputs on a worker: grammars compiled off the step loop, one matcher per constrained request,
 and the token bitmask of a step's constrained rows.
 
-Library: xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large
-Language Models", 2024; xgrammar.mlc.ai). `benchmarks/grammar_libraries.py` measured it against llguidance
-on this project's 2-core CI machine (2 threads each, a busy host), with a 20-field JSON schema (nested
-object, bounded arrays, enums, bounded numbers, patterns, formats, optional fields):
+Libraries: llguidance (github.com/guidance-ai/llguidance, its docs/optimizations.md: an Earley parser over
+lexemes, each mask a walk of the token trie through the lexer's lazily built DFA) for JSON schemas and JSON
+objects, and xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large
+Language Models", 2024: a pushdown automaton whose context-independent tokens are precomputed per grammar
+position, the others checked at run time) for regex, choice and EBNF; `backend="xgrammar"`
+(`structured_outputs_backend`) puts JSON on xgrammar too. `benchmarks/grammar_libraries.py` measured both on this
+project's 2-core CI machine (2 threads each, a busy host), on the Qwen3 vocabulary (151,936), batch 64, ms per
+step of the batch fill (mean / p50 / p99 / max):
 
-    vocabulary             library     compile     mask, batch 1 (mean / p50)   mask, batch 64 (mean / p50)
-    SmolLM2-135M (49,152)  xgrammar     56 ms        5 us /  2 us                0.87 ms / 0.32 ms
-    SmolLM2-135M (49,152)  llguidance    3 ms       50 us / 15 us                7.25 ms / 4.67 ms
-    Qwen3 (151,936)        xgrammar    141 ms       64 us /  2 us                3.53 ms / 2.48 ms
-    Qwen3 (151,936)        llguidance    6 ms      131 us / 18 us               14.12 ms / 13.80 ms
+    schema, tokens                          xgrammar                          llguidance
+    20 fields, teacher-forced               2.16 /   2.11                     4.26 /  3.79
+    20 fields, random walk (100 steps)     76.57 / 106.10 / 206.9 / 207.0     6.25 /  3.31 /  36.0 /  36.4
+    tool call, random walk (100 steps)      3.21 /   3.25 /   8.0 /  11.5     1.77 /  1.09 /   5.9 /   6.6
 
-llguidance compiles almost nothing ahead and builds masks lazily; xgrammar precomputes the context-
-independent tokens of every grammar position, so its masks are 4 to 10 times faster, and a mask is on the
-path of every decode step while a compilation happens once per schema, off the step loop and cached. Hence
-xgrammar. (One-time set-up per vocabulary: 0.2 s and 0.9 s for xgrammar, 0.6 s and 2.3 s for llguidance.)
+(20 fields: `SCHEMA_20_FIELDS`, nested object, bounded arrays, enums, bounded numbers, patterns, formats; tool
+call: `TOOL_CALL_SCHEMA`, objects, strings, integers, enums, arrays, no formats. Teacher-forced: the tokens of
+one valid instance, what a trained model writes. Random walk: each row takes a uniformly random token among
+those allowed, what a random-weight model does, so rows stay inside long strings.)
+
+Where xgrammar's time goes on the random walk: 99% of it is in rows inside the `email` format, whose local part
+(a right-recursive rule, the quoted form `\\"...\\"` most of all) leaves tens of thousands of tokens to check at
+run time, each check costing more as the string grows: one matcher alone reached 86 ms a step, against 0.05 ms in
+an unbounded plain string. Thread load-imbalance is a smaller part (the batch took 77 ms a step on average, its
+slowest matcher 27 ms, its matchers added up over 2 threads 43 ms), and our code none (the time is inside
+`batch_fill_next_token_bitmask`). llguidance's lexer turns every string, format and pattern into a DFA, so a
+mask costs about the same whatever the string's length: its costliest rows were in a `maxLength` string (0.33 ms
+mean, 4.1 ms max, when new DFA states are built). A trained model closes its strings, where xgrammar is twice as
+fast; but one slow row bounds the whole step, and xgrammar's worst case grows without bound while llguidance's
+stays within a few milliseconds: hence llguidance for JSON. In the engine on CPU (a tiny random model, 64 rows,
+200 tokens) llguidance's masks took 5.6 ms a step (p99 35) for the 20-field schema and 2.1 ms (p99 8.7) for the
+tool call. Regex, choice and EBNF stay on xgrammar (its EBNF dialect is the documented one). A JSON grammar of
+llguidance costs about 2 ms to compile (xgrammar's 100 ms) and a request's matcher is a copy of a compiled one
+(microseconds). llguidance's JSON token slices (`LLTokenizer.json_slices`) changed nothing measurable.
 
 Who owns the matchers: the worker. It sits next to the logits and already holds every request's tokens,
 so each matcher advances with the tokens the worker itself records, and nothing new crosses a socket per
@@ -26,15 +44,18 @@ for Qwen3) in every plan. The scheduler keeps only the book of which grammars ar
 Compilation runs in one daemon thread per worker (`CompileGrammars` in, a `GrammarCompiled` per grammar
 out, sent from that thread on a socket of its own), so the step loop never waits for it; xgrammar's
 compiler uses several threads inside one compilation, and releases the GIL while it works. The
-tokenizer and xgrammar's view of it (`TokenizerInfo`, about a second for Qwen3) are made on the first
-grammar, in that thread: an engine that never sees a constrained request pays nothing.
+tokenizer and each library's view of it (xgrammar's `TokenizerInfo`, llguidance's `LLTokenizer`, about a
+second each for Qwen3) are made on the first grammar that needs them, in that thread: an engine that never
+sees a constrained request pays nothing. A step's masks: xgrammar's rows with its BatchGrammarMatcher, then
+llguidance's with its LLExecutor, each with `threads` threads (default_threads).
 
 Pipelining: the worker launches step N+1 before step N's tokens reach the host, but a constrained row's
 mask for N+1 depends on its token from N. So when step N+1 has constrained rows, the worker launches
 N+1's forward first, then waits for step N's tokens (`ModelRunner.receive`: already queued on the device
 before that forward), advances the matchers with them, fills N+1's bitmask on the host while the device
 runs the forward, copies it up and launches the sampling. The device waits only when waiting for N's
-tokens plus filling the masks takes longer than N+1's forward; steps without constrained rows are not
+tokens plus filling the masks takes longer than N+1's forward (about 2 ms at batch 64 on an H200 for the
+Qwen3-0.6B shape: the budget of `benchmarks/structured_output.py`); steps without constrained rows are not
 touched. (Cost of the wait itself: the host cannot prepare anything else meanwhile, but the next plan
 is not there yet either: the worker would be idle otherwise.)
 
@@ -63,6 +84,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import STRUCTURED_OUTPUTS_BACKENDS
 from common.protocol import CompileGrammars, GrammarCompiled, GrammarSpec
 
 log = logging.getLogger("deltaserve.worker")
@@ -93,14 +115,21 @@ def library_error(exc: BaseException) -> str:
 
 class RequestGrammar:
     """One constrained request's matcher: where its output stands in its grammar. It advances with every
-    token that reaches the host (`StructuredOutputManager.accept`)."""
+    token that reaches the host (`StructuredOutputManager.accept`). `guidance`: an llguidance `LLMatcher`,
+    else an xgrammar `GrammarMatcher`."""
 
-    __slots__ = ("matcher", "grammar_id", "error")
+    __slots__ = ("matcher", "grammar_id", "guidance", "error")
 
-    def __init__(self, matcher: Any, grammar_id: int) -> None:
+    def __init__(self, matcher: Any, grammar_id: int, guidance: bool = False) -> None:
         self.matcher = matcher
         self.grammar_id = grammar_id
+        self.guidance = guidance
         self.error: str | None = None  # set once the matcher refused a token: the request fails with it
+
+    def complete(self) -> bool:
+        """The grammar is complete: only end tokens may follow (xgrammar: one was accepted; llguidance: nothing
+        but one can be)."""
+        return self.matcher.is_stopped() if self.guidance else self.matcher.is_terminated()
 
 
 class StructuredOutputManager:
@@ -110,11 +139,15 @@ class StructuredOutputManager:
     never allowed); `end_token_ids`: the tokens allowed once a grammar is complete: the model's end tokens, as
     the frontend stops on them (generation_config.json's, to which the tokenizer's EOS is added);
     `report`: called from the compile thread with each `GrammarCompiled` (it must not share a socket with the
-    step loop); `threads`: xgrammar's threads for one compilation and for a step's masks.
+    step loop); `threads`: each library's threads for one compilation and for a step's masks; `backend`:
+    "auto" (JSON schemas and JSON objects with llguidance, the rest with xgrammar) or "xgrammar" (everything).
     """
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, end_token_ids: list[int], rank: int,
-                 report: Callable[[GrammarCompiled], None], threads: int, pin_memory: bool = False) -> None:
+                 report: Callable[[GrammarCompiled], None], threads: int, pin_memory: bool = False,
+                 backend: str = "auto") -> None:
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got {backend!r}")
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.end_token_ids = sorted({t for t in end_token_ids if 0 <= t < vocab_size})
@@ -122,9 +155,15 @@ class StructuredOutputManager:
         self.report = report
         self.threads = max(1, threads)
         self.pin_memory = pin_memory
-        self.compiled: dict[int, Any] = {}  # grammar id -> xgrammar CompiledGrammar; written by the compile thread
-        self._compiler: Any = None  # made by the compile thread on the first grammar
-        self._batch: Any = None
+        self.backend = backend
+        # grammar id -> xgrammar CompiledGrammar, or an llguidance LLMatcher at the grammar's start (copied for
+        # each request); written by the compile thread
+        self.compiled: dict[int, Any] = {}
+        self._tokenizer: Any = None  # the Hugging Face tokenizer; made by the compile thread on the first grammar
+        self._compiler: Any = None  # xgrammar's, made by the compile thread on the first grammar it compiles
+        self._lltokenizer: Any = None  # llguidance's view of the tokenizer, likewise
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher
+        self._executor: Any = None  # llguidance's LLExecutor
         self._bitmask: torch.Tensor | None = None  # host [rows, width] int32, grown on demand
         self._end_mask: np.ndarray | None = None  # [width] int32: only the end tokens
         self._queue: queue.Queue[CompileGrammars | None] = queue.Queue()
@@ -160,7 +199,13 @@ class StructuredOutputManager:
             return str(exc)
         return f"{WHAT_FAILS.get(grammar.kind, 'the constraint')} cannot be compiled: {library_error(exc)}"
 
+    def uses_guidance(self, kind: str) -> bool:
+        """Whether a constraint of this kind gets an llguidance matcher (else an xgrammar one)."""
+        return self.backend == "auto" and kind in ("json", "json_object")
+
     def _compile(self, g: GrammarSpec) -> Any:
+        if self.uses_guidance(g.kind):
+            return self._compile_guidance(g)
         compiler = self._compiler or self._make_compiler()
         # Without any whitespace, no whitespace at all: xgrammar's own separators would be ", " and ": ".
         separators = None if g.any_whitespace else (",", ":")
@@ -178,25 +223,68 @@ class StructuredOutputManager:
             return compiler.compile_grammar(g.spec)
         raise SetupError(f"unknown kind {g.kind!r}")
 
+    def _compile_guidance(self, g: GrammarSpec) -> Any:
+        """An llguidance matcher at the start of a JSON schema (or of any JSON object), with xgrammar's strict
+        mode (no properties beyond those listed, `strict_schema`) and the same whitespace rule: at most
+        MAX_JSON_WHITESPACE characters between two elements, or none. Raises `GrammarError` for a schema
+        llguidance refuses."""
+        import llguidance
+
+        lltok = self._lltokenizer or self._make_lltokenizer()
+        schema = strict_schema(json.loads(g.spec)) if g.kind == "json" else json.loads(JSON_OBJECT_SCHEMA)
+        options: dict[str, Any] = ({"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
+                                   if g.any_whitespace else {"whitespace_flexible": False})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)  # refusals are ours to report, not stderr's
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    def _load_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            except Exception as exc:  # transformers raises several types for a tokenizer it cannot read
+                raise self._unusable(exc) from None
+            eos = self._tokenizer.eos_token_id
+            if eos is not None and eos < self.vocab_size:
+                self.end_token_ids = sorted({*self.end_token_ids, int(eos)})
+        return self._tokenizer
+
+    def _unusable(self, exc: BaseException) -> SetupError:
+        return SetupError(f"the tokenizer in {self.tokenizer_dir} cannot be used for structured outputs: "
+                          f"{type(exc).__name__}: {library_error(exc)}")
+
     def _make_compiler(self) -> Any:
         try:
             import xgrammar as xgr
         except ImportError as exc:
             raise SetupError(f"structured outputs need the xgrammar package, which cannot be imported here "
                              f"({exc}): pip install xgrammar") from None
-        from transformers import AutoTokenizer
-
+        tokenizer = self._load_tokenizer()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-            if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < self.vocab_size:
-                self.end_token_ids = sorted({*self.end_token_ids, int(tokenizer.eos_token_id)})
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.end_token_ids or None)
-        except Exception as exc:  # transformers and xgrammar raise several types for a tokenizer they cannot read
-            raise SetupError(f"the tokenizer in {self.tokenizer_dir} cannot be used for structured outputs: "
-                             f"{type(exc).__name__}: {library_error(exc)}") from None
+        except Exception as exc:  # xgrammar raises several types for a tokenizer it cannot read
+            raise self._unusable(exc) from None
         self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
         return self._compiler
+
+    def _make_lltokenizer(self) -> Any:
+        try:
+            import llguidance.hf
+        except ImportError as exc:
+            raise SetupError(f"JSON structured outputs need the llguidance package, which cannot be imported here "
+                             f"({exc}): pip install llguidance") from None
+        tokenizer = self._load_tokenizer()
+        try:
+            self._lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+                                                             eos_token=self.end_token_ids or None)
+        except Exception as exc:  # a slow (Python) tokenizer, one llguidance cannot read
+            raise self._unusable(exc) from None
+        return self._lltokenizer
 
     def close(self) -> None:
         """Stop the compile thread (a compilation under way is abandoned with the daemon thread)."""
@@ -213,56 +301,71 @@ class StructuredOutputManager:
     def new_grammar(self, grammar_id: int) -> RequestGrammar:
         """A matcher at the start of grammar `grammar_id`, which this rank has compiled (the scheduler admits a
         request only then). Raises `KeyError` for a grammar it has not (a protocol bug)."""
-        import xgrammar as xgr
-
         compiled = self.compiled.get(grammar_id)
         if compiled is None:
             raise KeyError(f"grammar {grammar_id} is not compiled on rank {self.rank}")
+        if hasattr(compiled, "deep_copy"):  # an llguidance matcher: its copy costs microseconds, a new one ms
+            return RequestGrammar(compiled.deep_copy(), grammar_id, guidance=True)
+        import xgrammar as xgr
+
         return RequestGrammar(xgr.GrammarMatcher(compiled), grammar_id)
 
     def accept(self, grammars: list[RequestGrammar], tokens: list[int]) -> dict[int, str]:
-        """Advance each matcher by its token (one call into xgrammar for all). Returns {index in `grammars`:
-        error} for the tokens refused; a matcher already complete ignores its token (the end tokens that
-        follow it when the request ignores EOS), and one that refused a token before ignores every later one."""
-        import xgrammar as xgr
+        """Advance each matcher by its token (one call into xgrammar for all of its matchers). Returns {index in
+        `grammars`: error} for the tokens refused; a matcher already complete ignores its token (the end tokens
+        that follow it when the request ignores EOS), and one that refused a token before ignores every later
+        one."""
+        todo = [i for i, g in enumerate(grammars) if g.error is None and not g.complete()]
+        xgr_rows = [i for i in todo if not grammars[i].guidance]
+        refused = [i for i in todo if grammars[i].guidance and not grammars[i].matcher.consume_token(tokens[i])]
+        if xgr_rows:
+            import xgrammar as xgr
 
-        todo = [i for i, g in enumerate(grammars) if g.error is None and not g.matcher.is_terminated()]
-        if not todo:
-            return {}
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in todo],
-                                                              [tokens[i] for i in todo])
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in xgr_rows],
+                                                                  [tokens[i] for i in xgr_rows])
+            refused += [i for i, ok in zip(xgr_rows, accepted) if not ok]
         errors = {}
-        for i, ok in zip(todo, accepted):
-            if not ok:
-                g = grammars[i]
-                g.error = (f"structured_outputs: the token sampled ({tokens[i]}) is outside the grammar: another "
-                           "parameter (bad_words, min_tokens) banned every token the grammar allowed there")
-                errors[i] = g.error
+        for i in refused:
+            g = grammars[i]
+            g.error = (f"structured_outputs: the token sampled ({tokens[i]}) is outside the grammar: another "
+                       "parameter (bad_words, min_tokens) banned every token the grammar allowed there")
+            errors[i] = g.error
         return errors
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> torch.Tensor:
         """The next-token bitmask of each of `grammars`: `[G, width]` int32 on the host (pinned on CUDA), in a
         buffer reused by the next call. A complete grammar allows only the end tokens; a matcher that refused
-        a token allows every token (its request is failing)."""
-        import xgrammar as xgr
-
+        a token allows every token (its request is failing). Each library fills its rows with `threads`
+        threads, xgrammar's first."""
         width = bitmask_width(self.vocab_size)
         n = len(grammars)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             size = max(n, 2 * (0 if self._bitmask is None else self._bitmask.shape[0]), 8)
             self._bitmask = torch.empty((size, width), dtype=torch.int32, pin_memory=self.pin_memory)
-            self._batch = xgr.BatchGrammarMatcher(self.threads)
         bitmask = self._bitmask[:n]
-        live: list[int] = []
+        xgr_rows: list[int] = []
+        guidance_rows: list[int] = []
         for i, g in enumerate(grammars):
             if g.error is not None:
                 bitmask[i] = -1
-            elif g.matcher.is_terminated():
+            elif g.complete():
                 bitmask[i] = torch.from_numpy(self._end_tokens_mask())
             else:
-                live.append(i)
-        if live:
-            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask, live)
+                (guidance_rows if g.guidance else xgr_rows).append(i)
+        if xgr_rows:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(self.threads)
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in xgr_rows], bitmask, xgr_rows)
+        if guidance_rows:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor(self.threads)
+            # llguidance writes row i at data_ptr + i * width * 4 (it checks i < n); `bitmask` is contiguous
+            self._executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in guidance_rows],
+                                                   bitmask.data_ptr(), width * 4, n)
         return bitmask
 
     def _end_tokens_mask(self) -> np.ndarray:
@@ -271,6 +374,38 @@ class StructuredOutputManager:
             mask[self.end_token_ids] = 1
             self._end_mask = np.packbits(mask, bitorder="little").view(np.int32)
         return self._end_mask
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` in every object schema that does not set it (xgrammar's
+    strict mode: only the listed properties), wherever a subschema can stand (properties, items, anyOf, $defs,
+    ...), never inside `enum`, `const` or `default` values. Returns a new object; `schema` is left as it is."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = strict_schema(out[key])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# Keywords whose value is a map of name -> subschema, and those whose value is a subschema or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "contains", "not", "if", "then", "else", "anyOf", "allOf",
+               "oneOf", "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+
+
+class GrammarError(RuntimeError):
+    """A constraint the library refuses (its reason is the message)."""
 
 
 class SetupError(RuntimeError):
