@@ -58,7 +58,8 @@ class StructuredOutputsParams:
     def validate(self) -> None:
         """Raise `ValueError` naming the bad field; normalizes in place (a schema given as JSON text becomes
         the value it encodes, `choice` a list)."""
-        given = [f.name for f in fields(self) if f.name in CONSTRAINTS and getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in fields(self) if f.name in CONSTRAINTS and getattr(self, f.name) is not None
+                 and (f.name == "json" or getattr(self, f.name) is not False)]  # json=False is a (refused) schema
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(CONSTRAINTS)}; got "
                              f"{'none' if not given else ' and '.join(given)}")
@@ -67,6 +68,10 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON text: {exc}") from None
+        if self.json is False:
+            raise ValueError("structured_outputs.json: the schema false accepts no document at all")
+        if self.json is True:  # the schema true is the empty schema: any JSON document
+            self.json = {}
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or true), got "
                              f"{quote(self.json)}")

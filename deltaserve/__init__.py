@@ -4,8 +4,8 @@
 """
 
 from common.config import EngineConfig
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutputsParams
 from frontend.client import EngineClient
 from frontend.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineClient"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "EngineClient"]

@@ -13,7 +13,9 @@ ever streamed, and the streamed deltas add up to the final text. As in vLLM, sto
 looked for once more than `min_tokens` tokens were generated.
 
 A stop token (an end token, or one of `stop_token_ids`) stays in the token ids, but its text is left
-out unless `include_stop_str_in_output` (vLLM's behaviour); its id is the sample's `stop_reason`.
+out unless `include_stop_str_in_output` (vLLM's behaviour); its id is the sample's `stop_reason`, except
+for the tokenizer's own end-of-sequence token (unless `ignore_eos`), whose `stop_reason` is None, as in
+vLLM (the model's other end tokens, from generation_config.json, count as stop token ids there too).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class SampleState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # None: an end-of-sequence stop is not a stop reason (vLLM's rule; ignore_eos makes it a plain stop id)
+        self.eos_token_id = None if params.ignore_eos else getattr(tokenizer, "eos_token_id", None)
         self.sent_chars = self.sent_tokens = self.sent_logprobs = 0  # already streamed to the client
         self.finish_sent = False
 
@@ -106,7 +110,7 @@ class SampleState:
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
         piece = self.detokenizer.step(token_id, emit=not stop_token or self.include_stop)
         if stop_token:
-            self.stop_reason = token_id
+            self.stop_reason = None if token_id == self.eos_token_id else token_id
         if not piece:
             return False
         new_from = len(self.text)

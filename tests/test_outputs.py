@@ -155,6 +155,15 @@ def test_a_stop_token_stays_in_the_ids_but_its_text_is_left_out(tokenizer: Any) 
     assert user_stop.text == "Hi" and user_stop.stop_reason == plain[-1]
 
 
+def test_the_tokenizers_eos_token_is_no_stop_reason_unless_eos_is_ignored(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    ids = ids_of(tokenizer, "Hello") + [eos]
+    at_eos, _, _ = run_sample(tokenizer, ids, SamplingParams(), stop_token=eos)
+    assert (at_eos.finish_reason, at_eos.stop_reason) == ("stop", None)  # vLLM's rule
+    listed, _, _ = run_sample(tokenizer, ids, SamplingParams(ignore_eos=True, stop_token_ids=[eos]), stop_token=eos)
+    assert listed.stop_reason == eos  # with ignore_eos it stops only as the user's stop id
+
+
 def test_streamed_deltas_add_up_to_the_final_text_with_stop_strings_held_back(tokenizer: Any) -> None:
     text = "价格 是 100元 👍🏽 and more text here, and so on. END of it"
     ids = ids_of(tokenizer, text)

@@ -243,7 +243,7 @@ def test_a_stop_token_stays_in_the_ids_and_its_text_is_left_out(llm: LLM) -> Non
                                                 SamplingParams(**base, include_stop_str_in_output=True)],
                              use_tqdm=False)
     assert len(out["token_ids"]) == 3 and out["token_ids"][-1] == eos  # masked for two tokens, then forced
-    assert out["finish_reason"] == "stop" and out["stop_reason"] == eos
+    assert out["finish_reason"] == "stop" and out["stop_reason"] is None  # vLLM: no stop reason at the EOS token
     assert not out["text"].endswith(eos_text) and out["text"] == llm.tokenizer.decode(out["token_ids"][:2])
     assert kept["text"].endswith(eos_text)
     user = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[500],
@@ -270,7 +270,8 @@ def test_end_tokens_are_the_tokenizer_eos_and_every_generation_config_id(tmp_pat
     assert plain["token_ids"] == greedy[:3] and (plain["finish_reason"], plain["stop_reason"]) == ("stop", a)
     assert ignoring["token_ids"] == greedy[:12] and ignoring["finish_reason"] == "length"
     assert user_stop["token_ids"] == greedy[:5] and user_stop["stop_reason"] == b  # the user's ids still stop it
-    assert forced["token_ids"] == [eos] and forced["stop_reason"] == eos  # the tokenizer's EOS is an end token
+    assert forced["token_ids"] == [eos] and forced["finish_reason"] == "stop"  # the tokenizer's EOS is an end token
+    assert forced["stop_reason"] is None  # vLLM's rule: the EOS token is no stop reason; the config's ids are
 
 
 def test_a_temperature_below_1e_5_is_greedy(llm: LLM, tiny_qwen3: Path) -> None:

@@ -284,11 +284,31 @@ def test_a_step_of_prefill_chunks_that_sample_nothing_has_no_logits_processing()
     assert build_processing([], np.zeros(0, np.float32), 1000) is None
 
 
+def test_the_schema_true_is_the_empty_schema_and_the_params_class_is_importable_from_deltaserve() -> None:
+    from deltaserve import StructuredOutputsParams
+
+    assert StructuredOutputsParams(json=True).json == {}
+    assert StructuredOutputsParams(json="true").json == {}
+
+
+def test_a_library_error_keeps_every_line_of_its_reason() -> None:
+    from workers.structured_output import library_error
+
+    llguidance_like = ValueError("regex parse error:\n    (a\n    ^\nerror: unclosed group")
+    assert library_error(llguidance_like) == "regex parse error: (a ^ error: unclosed group"
+    xgrammar_like = RuntimeError("[22:56:34] /project/cpp/regex_converter.cc:94: Regex parsing error at position 3: "
+                                 "Lookahead is not supported yet.\n")
+    assert library_error(xgrammar_like) == "Regex parsing error at position 3: Lookahead is not supported yet."
+    assert len(library_error(ValueError("x" * 5000))) == 600
+
+
 @pytest.mark.parametrize(("so", "message"), [
     ({}, "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got none"),
     ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON text"),
     ({"json": 5}, "structured_outputs.json must be a JSON schema"),
+    ({"json": False}, "structured_outputs.json: the schema false accepts no document at all"),
+    ({"json": "false"}, "structured_outputs.json: the schema false accepts no document at all"),
     ({"choice": []}, "structured_outputs.choice must be a non-empty list of non-empty strings"),
     ({"choice": ["a", 3]}, "structured_outputs.choice must be a non-empty list"),
     ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),

@@ -107,10 +107,13 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def library_error(exc: BaseException) -> str:
-    """The first line of an xgrammar error, without its timestamp and C++ source location."""
-    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return _LIBRARY_PREFIX.sub("", lines[0]).strip()
+def library_error(exc: BaseException, limit: int = 600) -> str:
+    """A grammar library's error as one line: xgrammar's without its timestamp and C++ source location, every
+    line kept (llguidance's regex errors name the problem on their last lines: "regex parse error: ... error:
+    unclosed group"), at most `limit` characters."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    text = " ".join([_LIBRARY_PREFIX.sub("", lines[0]).strip(), *lines[1:]])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RequestGrammar:
