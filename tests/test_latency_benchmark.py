@@ -29,8 +29,10 @@ def test_decode_latency_reports_ttft_tpot_and_per_token_latency_for_each_batch_s
     assert r["num_cached_tokens"] == 0  # fresh prompts every iteration: no prefix-cache hits
     assert 0 < r["ttft_s"]["mean"] < r["latency_s"]["mean"]
     assert 0 < r["tpot_s"]["p50"] <= r["tpot_s"]["p99"]
-    # Every request runs in every decode step: a token per step each, so TPOT is the step time.
-    assert abs(r["tpot_s"]["mean"] - r["per_token_latency_s"]["mean"]) < 0.5 * r["tpot_s"]["mean"]
+    # Every request runs in every decode step: a token per step each, so TPOT is the step time. Medians: on a
+    # shared 2-core machine one slow step moved a mean of 5 steps by 60% (a full-suite run, 2026-12-01).
+    tpot, per_token = r["tpot_s"]["p50"], r["per_token_latency_s"]["p50"]
+    assert abs(tpot - per_token) < 0.5 * max(tpot, per_token)
     assert r["decode_tokens_per_s"] == 3 / r["tpot_s"]["mean"]
     assert r["output_tokens_per_s"] == 3 * 6 / r["latency_s"]["mean"]
     assert r["cuda_graphs"] is False and r["devices"] == ["cpu"]
