@@ -203,8 +203,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
                 return f"{sub_path}: {e.get('msg', 'invalid value')}{_got(e)}", field
         accepted = " or ".join(k.replace("constrained-int", "token id").replace("constrained-float", "number")
                                for k in kinds)
-        given = _given(first) or f"a {type(first.get('input')).__name__} "  # a JSON object is not quoted back
-        return f"{field}: {given.replace('a dict ', 'an object ')}is none of the accepted types ({accepted})", field
+        given = _given(first) or ("an object " if isinstance(first.get("input"), dict) else "")  # not quoted back
+        return f"{field}: {given}is none of the accepted types ({accepted})", field
     if first.get("type") == "extra_forbidden":
         return f"{path}: unknown field (this server refuses fields it does not know)", path
     return f"{path}: {first.get('msg', 'invalid value')}{_got(first)}", path.split(".")[0].split("[")[0]

@@ -217,37 +217,23 @@ def test_prefill_over_an_fp8_cache_equals_attention_over_the_dequantized_values(
     assert relative_error(out, ref) < 1e-5
 
 
-def test_half_precision_queries_over_an_fp8_cache() -> None:
-    # fp16 stands in for the GPU's bf16 (the Triton interpreter's tl.dot mishandles bf16 operands).
-    k_cache, v_cache, tables, keys, values = quantized_paged_kv([30, 75], 16, 2, 64, 0.25, 2.0**-10, seed=5)
+# fp16 stands in for bf16 where the Triton interpreter's tl.dot would get bf16 operands (it mishandles them);
+# a bf16 q over an fp8 cache is computed in fp16 (query_for_cache), so it runs here too, as the GPU compiles it.
+@pytest.mark.parametrize(("dtype", "tolerance", "seed"), [(torch.float16, 2e-3, 5), (torch.bfloat16, 1e-2, 6)],
+                         ids=["fp16", "bf16"])
+def test_half_precision_queries_over_an_fp8_cache(dtype: torch.dtype, tolerance: float, seed: int) -> None:
+    k_cache, v_cache, tables, keys, values = quantized_paged_kv([30, 75], 16, 2, 64, 0.25, 2.0**-10, seed=seed)
     seq_lens = torch.tensor([30, 75], dtype=torch.int32)
-    q = torch.randn(2, 4, 64).half()
+    q = torch.randn(2, 4, 64).to(dtype)
     out = paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=2, k_scale=0.25,
                                  v_scale=2.0**-10)
-    assert out.dtype == torch.float16
-    assert relative_error(out, reference_attention(q, keys, values, [1, 1], 0.125)) < 2e-3
-    q = torch.randn(75, 4, 64).half()
+    assert out.dtype == dtype
+    assert relative_error(out, reference_attention(q, keys, values, [1, 1], 0.125)) < tolerance
+    q = torch.randn(75, 4, 64).to(dtype)
     out = paged_attention_prefill(q, k_cache, v_cache, tables, torch.tensor([0, 30, 75], dtype=torch.int32),
                                   seq_lens, 45, 0.125, k_scale=0.25, v_scale=2.0**-10)
-    ref = reference_attention(q[:75], keys, values, [30, 45], 0.125)
-    assert relative_error(out, ref) < 2e-3
-
-
-def test_bf16_queries_over_an_fp8_cache_are_computed_in_fp16() -> None:
-    # The kernels widen an fp8 tile to fp16 for a bf16 q (query_for_cache), so the interpreter's bf16 dot is
-    # never reached and this runs on CPU; the GPU compiles the same branch (tests/kernels/test_fp8_kv_cache_gpu.py).
-    k_cache, v_cache, tables, keys, values = quantized_paged_kv([30, 75], 16, 2, 64, 0.25, 2.0**-10, seed=6)
-    seq_lens = torch.tensor([30, 75], dtype=torch.int32)
-    q = torch.randn(2, 4, 64).bfloat16()
-    out = paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=2, k_scale=0.25,
-                                 v_scale=2.0**-10)
-    assert out.dtype == torch.bfloat16
-    assert relative_error(out, reference_attention(q, keys, values, [1, 1], 0.125)) < 1e-2
-    q = torch.randn(75, 4, 64).bfloat16()
-    out = paged_attention_prefill(q, k_cache, v_cache, tables, torch.tensor([0, 30, 75], dtype=torch.int32),
-                                  seq_lens, 45, 0.125, k_scale=0.25, v_scale=2.0**-10)
-    assert out.dtype == torch.bfloat16
-    assert relative_error(out, reference_attention(q[:75], keys, values, [30, 45], 0.125)) < 1e-2
+    assert out.dtype == dtype
+    assert relative_error(out, reference_attention(q[:75], keys, values, [30, 45], 0.125)) < tolerance
 
 
 def test_scales_are_checked() -> None:
