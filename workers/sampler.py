@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.logits_processing import to_device
 from workers.parallel import all_gather, tp_size
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
@@ -118,7 +119,8 @@ class Sampler:
         if self._fused:
             from kernels.sampling import sample_candidates
 
-            seeds_dev = torch.from_numpy(seeds).to(self.device, non_blocking=True)
+            # Through pinned memory: a copy from pageable memory may wait for the forward still running.
+            seeds_dev = to_device(seeds, self.device)
             scores, tokens = sample_candidates(logits, temperatures, seeds_dev, vocab_offset=self.vocab_start)
         else:
             scores, tokens = self._cpu_candidates(logits, temperatures, seeds)
@@ -129,8 +131,7 @@ class Sampler:
         if self._fused:
             from kernels.sampling import sample_candidates
 
-            seeds_dev = torch.from_numpy(seeds).to(self.device, non_blocking=True)
-            return sample_candidates(logits, temperatures, seeds_dev)[1]
+            return sample_candidates(logits, temperatures, to_device(seeds, self.device))[1]
         return self._cpu_candidates(logits, temperatures, seeds, vocab_start=0, vocab_size=logits.shape[1])[1]
 
     def _cpu_candidates(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: np.ndarray,
