@@ -121,6 +121,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     states = [runner.batch.reqs[i] for i in range(b)]
     processing = build_processing(states, np.full(b, args.temperature, np.float32), runner.processor.vocab_size)
 
+    @torch.inference_mode()  # the penalty counts are inference tensors: updated in place only under it
     def processed_sampling() -> None:
         """What a step does for processed rows: upload, gather, the pipeline, the sampler, logprobs, counts."""
         d = runner.processor.upload(processing)
@@ -144,19 +145,25 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     used = filtered_ms if filtered_ms is not None else sample_ms
     say(f"sampler share of the pipelined step: {100 * used / pipelined_ms:.1f}% ({used:.3f} of {pipelined_ms:.3f} ms)")
 
-    runner.graphs.clear()  # profile the eager step: every kernel is visible
-    one_step()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one_step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    count = sum(e.count for e in events)
-    say(f"eager decode step: {count} kernels, {total / 1e3:.3f} ms of device time")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        say(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
+    def kernel_table(what: str, fn, rows: int) -> None:
+        """Profile one call of `fn` and print its kernels, the costliest first."""
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        total = sum(e.self_device_time_total for e in events)
+        count = sum(e.count for e in events)
+        say(f"{what}: {count} kernels, {total / 1e3:.3f} ms of device time")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+            say(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
+
+    if filtered_ms is not None:
+        kernel_table("processed sampling (filtered rows)", processed_sampling, 20)
+    runner.graphs.clear()  # profile the eager step: every kernel is visible
+    one_step()
+    kernel_table("eager decode step", one_step, 25)
 
 
 if __name__ == "__main__":
