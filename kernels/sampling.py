@@ -2,21 +2,37 @@
 
 For a row with temperature T > 0 the token is `argmax_i(logit_i / T + G_i)` with G_i standard
 Gumbel noise, which samples softmax(logits / T) exactly (the Gumbel-max trick: Gumbel 1954;
-Maddison, Tarlow & Minka 2014). The noise comes from Triton's counter-based Philox generator
-keyed by a per-row seed and the global vocabulary index, so no noise tensor is ever written: the
-logits are read once, in their own dtype. A row with T == 0 takes the plain argmax.
+Maddison, Tarlow & Minka 2014). The noise comes from Triton's counter-based Philox4x32-10
+generator (Salmon et al., SC 2011) keyed by a per-row seed, so no noise tensor is ever written:
+the logits are read once, in their own dtype. One Philox evaluation yields four 32-bit words, and
+all four are used: entry g of the global vocabulary takes word g % 4 of the evaluation at counter
+g // 4. That mapping depends only on (seed, g), never on the chunk or block sizes, the batch, or a
+rank's `vocab_offset`. A row with T == 0 takes the plain argmax by a scalar branch that evaluates
+no Philox at all, so in a mixed batch only the sampled rows pay for noise.
+
+Cost (reasoning; the GPU numbers come from `python benchmarks/kernels.py sampling`): the noise is
+integer work, not memory traffic. Philox4x32-10 is 10 rounds of two 32x32->64-bit multiplies and
+a few xors on four words; spent on one entry (the old `tl.rand` per entry, one word used) it
+dominated the kernel (0.19 ms at batch 256 on an H200, against 0.04 ms to read the bf16 logits);
+shared by four entries it costs a quarter of that per entry, which leaves the two logarithms of
+the Gumbel transform as the next largest term.
 
 The argmax runs in two stages. One program per row would leave a large GPU mostly idle (a
 256-row batch is 256 programs on 132 SMs, each looping over a 152k vocabulary), so stage one
 splits each row into contiguous vocabulary chunks, grid `(rows, chunks)`, and every program
 writes its chunk's best (score, index) to a `[rows, chunks]` scratch; stage two, one small
-program per row, reduces over the chunks. Every entry's score depends only on its row and global
-index, and ties go to the lowest index in both stages, so the token does not depend on the
-chunking.
+program per row, reduces over the chunks. The chunk size follows the batch (`choose_chunk_size`):
+8192 entries at batch 256 (4864 programs, enough to fill every SM several times, while each
+program's final cross-warp reduction is paid once per 8192 entries), down to 512 at batch 1 (297
+programs, where 8192 would leave 19 programs on 132 SMs each scanning 8192 entries in turn).
+Every entry's score depends only on its row and global index, and ties go to the lowest index in
+both stages, so the token does not depend on the chunking.
 
 Under tensor parallelism each rank holds a slice of the vocabulary (`vocab_offset` is the global
 index of its first column). The noise is keyed by the global index, so every rank scores its
-entries exactly as one device holding the whole vocabulary would; `sample_candidates` returns
+entries exactly as one device holding the whole vocabulary would (a slice need not start at a
+multiple of 4: its first chunk starts up to 3 masked entries early, so every tile still covers
+whole 4-entry groups); `sample_candidates` returns
 each row's best (score, global token id) of the slice, and the ranks keep the best of their
 candidates (workers/sampler.py), which is the token a single device would pick.
 """
