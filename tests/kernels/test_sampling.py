@@ -255,3 +255,25 @@ def test_rows_processed_by_the_filters_sample_only_their_kept_tokens_in_proporti
     counts = torch.bincount(out, minlength=vocab).double()[kept]
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1], chi2  # p = 0.001
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real-size compiled kernel: needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [256, 1])
+def test_real_size_slices_and_greedy_rows_on_the_gpu(batch: int) -> None:
+    """Qwen3's vocabulary in bf16 at the engine's batch sizes (the default chunk is 8192 at batch 256 and
+    512 at batch 1): two slices split at an unaligned point pick the whole-vocabulary token, and the
+    greedy rows of a mixed batch are torch's argmax."""
+    vocab, split = 151936, 75971
+    torch.manual_seed(10)
+    logits = (torch.randn(batch, vocab, device="cuda") * 3).to(torch.bfloat16)
+    temps = torch.full((batch,), 0.6, device="cuda")
+    temps[1::3] = 0.0
+    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    whole = sample_tokens(logits, temps, seeds)
+    parts = [sample_candidates(logits[:, :split], temps, seeds),
+             sample_candidates(logits[:, split:], temps, seeds, vocab_offset=split)]
+    scores, tokens = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    assert torch.equal(tokens.gather(0, scores.argmax(dim=0, keepdim=True)).squeeze(0), whole)
+    assert torch.equal(whole[1::3], logits[1::3].float().argmax(-1))
+    assert torch.equal(sample_tokens(logits, temps, seeds, chunk_size=2048), whole)
