@@ -1,6 +1,14 @@
-"""Micro-benchmark of the Triton paged-attention kernels on one GPU (Qwen3-0.6B attention shape).
+"""Micro-benchmark of the Triton paged-attention and sampling kernels on one GPU (Qwen3-0.6B shapes).
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py             # attention, then sampling
+    python benchmarks/kernels.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
+
+Sampling rows time `kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
+151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays
+the call in a CUDA graph (as the engine runs it), so host launch overhead is not counted. "greedy" is every
+row at T=0 through the same kernel (no noise evaluated); "mixed" is half the rows at T=0; "torch argmax"
+is the floor a greedy step pays in the engine (workers/sampler.py takes it when every row is greedy). The
+GB/s column is logits bytes read over the time (about 4.25 TB/s is the H200's copy bandwidth).
 
 Decode is memory bound: its figure of merit is KV-cache bytes read per second (TB/s), against
 about 4.25 TB/s of copy bandwidth on an H200 and 2.9 TB/s measured for FlashAttention-4 decode at
@@ -23,6 +31,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import choose_num_splits, paged_attention_decode, paged_attention_prefill  # noqa: E402
+from kernels.sampling import choose_chunk_size, sample_candidates  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 DTYPE = torch.bfloat16
@@ -146,10 +155,41 @@ def bench_prefill(name: str, q_lens: list[int], seq_lens: list[int], block_size:
           f"{kv_bytes(batch) / ms / 1e9:>8.2f} {causal_flops(batch) / ms / 1e9:>8.1f} {error:>9.1e}")
 
 
+VOCAB = 151936
+
+
+def bench_sampling_batch(batch: int, num_sms: int) -> None:
+    from triton.testing import do_bench_cudagraph
+
+    logits = torch.randn(batch, VOCAB, device="cuda").to(DTYPE) * 3
+    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    mixed = torch.full((batch,), 0.6, device="cuda")
+    mixed[::2] = 0.0
+    cases = {"T=0.6": torch.full((batch,), 0.6, device="cuda"),
+             "greedy (kernel, T=0)": torch.zeros(batch, device="cuda"),
+             "mixed (half T=0.6, half T=0)": mixed}
+    gigabytes = logits.numel() * logits.element_size() / 1e9
+    chunk = choose_chunk_size(batch, VOCAB, num_sms)
+    for name, temps in cases.items():
+        us = do_bench_cudagraph(lambda t=temps: sample_candidates(logits, t, seeds), return_mode="median") * 1e3
+        print(f"{name:<34} {batch:>5} {chunk:>7} {us:>9.1f} {gigabytes / us * 1e6:>8.0f}")
+    us = do_bench_cudagraph(lambda: logits.argmax(dim=-1), return_mode="median") * 1e3
+    print(f"{'torch argmax (greedy floor)':<34} {batch:>5} {'-':>7} {us:>9.1f} {gigabytes / us * 1e6:>8.0f}")
+
+
+def bench_sampling() -> None:
+    print(f"{'sampling, vocab ' + str(VOCAB) + ', bf16':<34} {'batch':>5} {'chunk':>7} {'time us':>9} {'GB/s':>8}")
+    for batch in (256, 1):
+        bench_sampling_batch(batch, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
+    if sys.argv[1:] == ["sampling"]:
+        bench_sampling()
+        return
     rng = random.Random(0)
     print(f"{torch.cuda.get_device_name()}, {DTYPE}, {NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads / "
           f"head_dim {HEAD_DIM}")
@@ -173,6 +213,7 @@ def main() -> None:
     for block_size in (16, 256):
         bench_prefill("mixed 4 x 1024 prefill + 252 decode", [1024] * 4 + [1] * 252,
                       [1024] * 4 + [rng.randint(100, 2000) for _ in range(252)], block_size)
+    bench_sampling()
 
 
 if __name__ == "__main__":

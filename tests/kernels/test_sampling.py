@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernels.sampling import sample_candidates, sample_tokens  # noqa: E402
+from kernels.sampling import choose_chunk_size, sample_candidates, sample_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Chi-square critical values at p = 0.001 for the degrees of freedom used below.
@@ -30,14 +31,105 @@ def test_nan_and_masked_entries_never_win() -> None:
             assert out[0].item() in (2, 3) and out[1].item() == 3
 
 
-@pytest.mark.parametrize("temperature", [0.6, 1.7])
-def test_samples_follow_softmax_of_scaled_logits(temperature: float) -> None:
+_MASK32 = 0xFFFF_FFFF
+
+
+def philox4x32_10(counters: np.ndarray, seed: int) -> np.ndarray:
+    """Reference Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
+    of the counters (c, 0, 0, 0) under the key (seed low word, seed high word): `[4, len(counters)]` uint32."""
+    c = [counters.astype(np.uint64), np.zeros_like(counters, np.uint64), np.zeros_like(counters, np.uint64),
+         np.zeros_like(counters, np.uint64)]
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        p0, p1 = np.uint64(0xCD9E8D57) * c[2], np.uint64(0xD2511F53) * c[0]
+        c = [(p0 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p0 & np.uint64(_MASK32),
+             (p1 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p1 & np.uint64(_MASK32)]
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return np.stack(c).astype(np.uint32)
+
+
+def reference_gumbel(global_index: np.ndarray, seed: int) -> np.ndarray:
+    """The noise the kernel must add to entry g: word g % 4 of the Philox output for counter g // 4,
+    as a uniform in [0, 1) (31 bits, Triton's uint_to_uniform_float), then -log(-log(max(u, 1e-20)))."""
+    bits = philox4x32_10(global_index // 4, seed)[global_index % 4, np.arange(len(global_index))].view(np.int32)
+    u = np.where(bits < 0, ~bits, bits).astype(np.float32) * np.float32(4.6566127342e-10)
+    return -np.log(-np.log(np.maximum(u, np.float32(1e-20))))
+
+
+def test_reference_philox_matches_the_published_known_answers() -> None:
+    # Random123's kat_vectors for philox4x32_10: counter 0 and key 0.
+    assert philox4x32_10(np.array([0]), 0)[:, 0].tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@pytest.mark.parametrize("vocab_offset", [0, 3, 4, 1001])
+def test_noise_of_entry_g_is_word_g_mod_4_of_philox_counter_g_div_4(vocab_offset: int) -> None:
+    """Row k keeps only entry k finite (logit 0, temperature 1), so its score is the noise of global entry
+    vocab_offset + k: it must be the reference noise for every chunk size (16 leaves tiles that straddle
+    the chunks' 4-entry groups when the offset is unaligned)."""
+    width = 12
+    logits = torch.full((width, width), float("-inf"))
+    logits.fill_diagonal_(0.0)
+    logits = logits.to(DEVICE)
+    for seed in (0, 2**40 + 12345):  # a seed above 2**32 exercises the key's high word
+        seeds = torch.full((width,), seed, dtype=torch.int64, device=DEVICE)
+        expected = reference_gumbel(np.arange(vocab_offset, vocab_offset + width), seed)
+        for chunk_size in (16, None):
+            scores, tokens = sample_candidates(logits, torch.ones(width, device=DEVICE), seeds,
+                                               vocab_offset=vocab_offset, chunk_size=chunk_size)
+            assert tokens.tolist() == list(range(vocab_offset, vocab_offset + width))
+            np.testing.assert_allclose(scores.cpu().numpy(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [3, 4, 1001])
+def test_two_slices_split_at_any_point_pick_the_whole_vocabulary_token(split: int) -> None:
+    """Tensor parallelism with slices that need not start at a multiple of 4: the best candidate of
+    [0, split) and [split, vocab) is the token of the whole vocabulary, at every chunk size."""
+    torch.manual_seed(8)
+    vocab, n = 1200, 6
+    logits = (torch.randn(n, vocab) * 0.5).to(DEVICE)  # flat: the winner can lie anywhere
+    temps = torch.tensor([1.0, 0.6, 0.0, 2.0, 1.0, 0.9], device=DEVICE)
+    seeds = (torch.arange(n, dtype=torch.int64) * 104729 + 1).to(DEVICE)
+    whole = sample_tokens(logits, temps, seeds)
+    for chunk_size in (64, None):
+        parts = [sample_candidates(logits[:, :split], temps, seeds, chunk_size=chunk_size),
+                 sample_candidates(logits[:, split:], temps, seeds, vocab_offset=split, chunk_size=chunk_size)]
+        scores, tokens = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        best = scores.argmax(dim=0, keepdim=True)  # first maximum: the lower slice
+        assert torch.equal(tokens.gather(0, best).squeeze(0), whole), chunk_size
+    assert whole[2].item() == logits[2].argmax().item()
+
+
+def test_greedy_rows_of_a_mixed_batch_take_the_first_argmax_whatever_their_seed() -> None:
+    torch.manual_seed(9)
+    logits = torch.randint(-3, 4, (6, 200)).float().to(DEVICE)  # few values: many exact ties
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 0.0], device=DEVICE)
+    greedy = (temps == 0).nonzero().squeeze(1)
+    first_argmax = logits.argmax(-1)  # torch returns the first maximal index
+    for seed in (0, 77, 2**50):
+        seeds = torch.full((6,), seed, dtype=torch.int64, device=DEVICE)
+        for chunk_size in (16, 64, None):
+            scores, tokens = sample_candidates(logits, temps, seeds, chunk_size=chunk_size)
+            assert torch.equal(tokens[greedy], first_argmax[greedy])
+            assert torch.equal(scores[greedy], logits[greedy].max(-1).values)  # no noise added
+
+
+def test_the_default_chunk_size_fills_the_gpu_at_batch_1_and_amortises_at_batch_256() -> None:
+    assert choose_chunk_size(256, 151936, 132) == 8192  # 19 chunks a row, 4864 programs
+    assert choose_chunk_size(1, 151936, 132) == 512  # 297 programs rather than 19
+    assert choose_chunk_size(8, 151936, 132) == 4096
+    assert choose_chunk_size(1, 300, 132) == 512  # no smaller than a block of 512, none larger than the slice
+    assert choose_chunk_size(4, 10, 1) == 16
+
+
+@pytest.mark.parametrize(("temperature", "vocab_offset"), [(0.6, 0), (1.7, 3)])
+def test_samples_follow_softmax_of_scaled_logits(temperature: float, vocab_offset: int) -> None:
     torch.manual_seed(3)
     vocab, n = VOCAB, DRAWS
     row = torch.randn(vocab) * 2
     logits = row.repeat(n, 1).to(DEVICE)
     seeds = (torch.arange(n, dtype=torch.int64) * 7919 + 11).to(DEVICE)
-    out = sample_tokens(logits, torch.full((n,), temperature, device=DEVICE), seeds).cpu()
+    temps = torch.full((n,), temperature, device=DEVICE)
+    out = sample_candidates(logits, temps, seeds, vocab_offset=vocab_offset)[1].cpu() - vocab_offset
     expected = torch.softmax(row.double() / temperature, -1) * n
     counts = torch.bincount(out, minlength=vocab).double()
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
@@ -163,3 +255,25 @@ def test_rows_processed_by_the_filters_sample_only_their_kept_tokens_in_proporti
     counts = torch.bincount(out, minlength=vocab).double()[kept]
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1], chi2  # p = 0.001
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real-size compiled kernel: needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [256, 1])
+def test_real_size_slices_and_greedy_rows_on_the_gpu(batch: int) -> None:
+    """Qwen3's vocabulary in bf16 at the engine's batch sizes (the default chunk is 8192 at batch 256 and
+    512 at batch 1): two slices split at an unaligned point pick the whole-vocabulary token, and the
+    greedy rows of a mixed batch are torch's argmax."""
+    vocab, split = 151936, 75971
+    torch.manual_seed(10)
+    logits = (torch.randn(batch, vocab, device="cuda") * 3).to(torch.bfloat16)
+    temps = torch.full((batch,), 0.6, device="cuda")
+    temps[1::3] = 0.0
+    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    whole = sample_tokens(logits, temps, seeds)
+    parts = [sample_candidates(logits[:, :split], temps, seeds),
+             sample_candidates(logits[:, split:], temps, seeds, vocab_offset=split)]
+    scores, tokens = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    assert torch.equal(tokens.gather(0, scores.argmax(dim=0, keepdim=True)).squeeze(0), whole)
+    assert torch.equal(whole[1::3], logits[1::3].float().argmax(-1))
+    assert torch.equal(sample_tokens(logits, temps, seeds, chunk_size=2048), whole)
