@@ -123,6 +123,10 @@ def build_parser() -> ArgumentParser:
                         "else no key)")
     v.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server processes sharing --http-port (more only if one cannot keep up)")
+    v.add_argument("--timeout-keep-alive", type=int, default=None, metavar="SECONDS",
+                   help="seconds an idle HTTP keep-alive connection stays open (default 65: longer than the pool "
+                        "expiry of common clients, 5 s for httpx and openai, so that none reuses a connection "
+                        "just as the server closes it)")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
     v.add_argument("--client-key", default=None,
@@ -182,6 +186,11 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--api-server-count must be in 1..64, got {args.api_server_count}")
     if args.api_server_count > 1 and args.http_port is None:
         parser.error("--api-server-count needs --http-port")
+    if args.timeout_keep_alive is not None:
+        if args.http_port is None:
+            parser.error("--timeout-keep-alive needs --http-port")
+        if args.timeout_keep_alive < 1:
+            parser.error(f"--timeout-keep-alive must be at least 1 (seconds), got {args.timeout_keep_alive}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key must not be empty")
     if args.client_key is not None and args.http_port is not None:
@@ -267,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 parser.exit(2, f"{parser.prog}: error: {exc}{hint}\n")  # one line: the arguments are fine
         client_listener = held.get("--port")
         if "--http-port" in held:
-            http = HTTPOptions(args.host, args.http_port, held["--http-port"], args.api_key, args.api_server_count)
+            keep_alive = {} if args.timeout_keep_alive is None else {"timeout_keep_alive_s": args.timeout_keep_alive}
+            http = HTTPOptions(args.host, args.http_port, held["--http-port"], args.api_key, args.api_server_count,
+                               **keep_alive)
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,

@@ -76,6 +76,7 @@ class Result:
     e2e_s: float = 0.0
     end_s: float = 0.0  # when it finished, from the start of the run
     itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    retries: int = 0  # resent after a reused keep-alive connection failed before any byte of the response
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -115,49 +116,97 @@ def request_body(args: argparse.Namespace, model: str, req: Request) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------- client
+# A pooled connection can be closed by the server just as a request is sent on it (its keep-alive timeout):
+# the request is reset before it reached the server's app. Such a request is sent once more, on a new
+# connection, as browsers do, and the retry is counted and reported. A failure on a new connection, or after
+# any byte of the response arrived, is a failed request.
+STALE_CONNECTION_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 async def send(http: httpx.AsyncClient, path: str, body: dict[str, Any], req: Request, t_start: float) -> Result:
-    res = Result(req.index, prompt_len=req.prompt_len)
+    """One streamed request, retried once if it failed unanswered on a reused connection; TTFT and E2EL
+    count from the first attempt."""
     t0 = time.perf_counter()
+    for retries in (0, 1):
+        new_connection = False
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal new_connection
+            new_connection = new_connection or event.startswith("connection.connect_tcp.")
+
+        res = Result(req.index, prompt_len=req.prompt_len, retries=retries)
+        try:
+            async with http.stream("POST", path, json=body, extensions={"trace": trace}) as response:
+                await read_stream(response, res, t0, t_start)
+            return res
+        except STALE_CONNECTION_ERRORS as exc:
+            res.error = f"{type(exc).__name__}: {exc}"
+            if new_connection or retries:
+                return res
+        except (httpx.HTTPError, OSError, json.JSONDecodeError) as exc:
+            res.error = f"{type(exc).__name__}: {exc}"
+            return res
+    raise AssertionError("unreachable")
+
+
+async def read_stream(response: httpx.Response, res: Result, t0: float, t_start: float) -> None:
+    """Fill `res` from a streamed completion; an error raised here (the response has started) is not retried."""
     last = t0
     chunks = 0
     try:
-        async with http.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                res.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return res
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    res.error = str(data["error"])
-                    return res
-                if data.get("usage") and not data.get("choices"):
-                    res.output_tokens = data["usage"]["completion_tokens"]
-                    continue
-                choice = data["choices"][0] if data.get("choices") else {}
-                text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft_s = now - t0
-                else:
-                    res.itl_s.append(now - last)
-                last = now
-                chunks += 1
-        res.e2e_s = time.perf_counter() - t0
-        res.end_s = time.time() - t_start
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = True
+        if response.status_code != 200:
+            res.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                res.error = str(data["error"])
+                return
+            if data.get("usage") and not data.get("choices"):
+                res.output_tokens = data["usage"]["completion_tokens"]
+                continue
+            choice = data["choices"][0] if data.get("choices") else {}
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if not text:
+                continue
+            now = time.perf_counter()
+            if chunks == 0:
+                res.ttft_s = now - t0
+            else:
+                res.itl_s.append(now - last)
+            last = now
+            chunks += 1
     except (httpx.HTTPError, OSError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
-    return res
+        return
+    res.e2e_s = time.perf_counter() - t0
+    res.end_s = time.time() - t_start
+    res.output_tokens = res.output_tokens or chunks
+    res.ok = True
+
+
+def ensure_open_files(connections: int, margin: int = 64) -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit when `connections` sockets (and `margin`
+    other files) would not fit; SystemExit naming the limit when even the hard limit is too low."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = connections + margin
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise SystemExit(f"{connections} connections in one client process need about {needed} open files, but "
+                         f"RLIMIT_NOFILE's hard limit is {hard}: raise it (ulimit -Hn), lower --max-concurrency or "
+                         f"raise --client-processes")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def run_share(base_url: str, path: str, api_key: str | None, bodies: list[dict[str, Any]],
                     requests: list[Request], max_concurrency: int, t_start: float) -> list[Result]:
     """Send `requests` (this client process's share) at their arrival times; `t_start`: time.time() of t=0."""
+    ensure_open_files(min(max_concurrency, len(requests)))
     limit = asyncio.Semaphore(max_concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
@@ -226,6 +275,7 @@ def summarize(results: list[Result], duration_s: float, rate: float) -> dict[str
     itl = [x for r in ok for x in r.itl_s]
     summary: dict[str, Any] = {
         "request_rate": "inf" if math.isinf(rate) else rate, "completed": len(ok), "failed": len(results) - len(ok),
+        "retried": sum(r.retries for r in results),
         "duration_s": duration_s, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration_s if duration_s else 0.0,
         "output_throughput": out_tokens / duration_s if duration_s else 0.0,
@@ -245,6 +295,7 @@ def summarize(results: list[Result], duration_s: float, rate: float) -> dict[str
 def print_summary(s: dict[str, Any]) -> None:
     print(f"{'=' * 20} Serving benchmark (request rate {s['request_rate']}) {'=' * 20}")
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Retried (stale keep-alive connection)", s["retried"]),
             ("Benchmark duration (s)", s["duration_s"]), ("Total input tokens", s["total_input_tokens"]),
             ("Total generated tokens", s["total_output_tokens"]),
             ("Request throughput (req/s)", s["request_throughput"]),

@@ -48,6 +48,24 @@ class HTTPOptions:
     listener: socket.socket
     api_key: str | None = None
     count: int = 1
+    timeout_keep_alive_s: int = 65  # see frontend/openai/server.py: longer than clients' pool expiry
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it) and return the soft
+    limit now in force (-1: unlimited). Every TCP connection of the HTTP server and every ZeroMQ peer is a
+    file descriptor: with the common soft default of 1024, a few hundred streaming clients plus their idle
+    keep-alive connections exhaust it, and a socket refused by EMFILE is dropped without an error."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # e.g. macOS refuses RLIM_INFINITY: keep the soft limit
+            pass
+    return -1 if soft == resource.RLIM_INFINITY else int(soft)
 
 
 class EngineStartError(RuntimeError):
@@ -155,6 +173,7 @@ class EngineProcesses:
         Raises `EngineStartError` (after stopping everything) if a process fails or the timeout passes.
         """
         tp = self.config.tensor_parallel_size
+        raise_open_file_limit()  # inherited by every process started below
         try:
             self.control = self.endpoints.make_socket(self.ctx, zmq.PULL, self.endpoints.control, bind=True)
             for rank in range(tp):
@@ -170,7 +189,8 @@ class EngineProcesses:
                 for i in range(self.http.count):
                     curve = ("--client-curve",) if self.client_keys(f"http-{i}") is not None else ()
                     self._spawn(f"http-{i}", "frontend.openai", "--index", str(i), "--http-host", self.http.host,
-                                "--http-port", str(self.http.port), "--http-fd", str(fd), *curve, pass_fds=(fd,),
+                                "--http-port", str(self.http.port), "--http-fd", str(fd),
+                                "--timeout-keep-alive", str(self.http.timeout_keep_alive_s), *curve, pass_fds=(fd,),
                                 env_extra=key)
                 self._release_http_listener()
             # Each port is held by the process that binds it now: its exit must free it.

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,11 +57,24 @@ class HTTPServer:
             time.sleep(0.05)
 
 
+def _soft_nofile(limit: int | None) -> Callable[[], None] | None:
+    if limit is None:
+        return None
+
+    def lower() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    return lower
+
+
 @contextlib.contextmanager
 def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | None = API_KEY,
-                timeout_s: float = 300.0) -> Iterator[HTTPServer]:
+                timeout_s: float = 300.0, soft_nofile: int | None = None) -> Iterator[HTTPServer]:
     """`launch.py --model MODEL --http-port P --device cpu ...` until it prints that it serves; stopped with
-    Ctrl-C (SIGINT) at the end, which must end it cleanly."""
+    Ctrl-C (SIGINT) at the end, which must end it cleanly. `soft_nofile`: the launcher starts with this soft
+    RLIMIT_NOFILE (as under a shell's `ulimit -Sn`)."""
     port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     stderr_path = tmp_path / "server.stderr"
@@ -71,7 +84,7 @@ def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | N
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_soft_nofile(soft_nofile))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()

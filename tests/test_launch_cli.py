@@ -103,6 +103,9 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused_before_the_engine_starts(
     (["--tp", "0"], "--tp must be a positive integer, got 0"),
     (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's max_position_embeddings 64"),
     (["--port", "0", "--serve"], "--port must be in 1..65535, got 0"),
+    (["--serve", "--http-port", "8123", "--timeout-keep-alive", "0"],
+     "--timeout-keep-alive must be at least 1 (seconds), got 0"),
+    (["--serve", "--timeout-keep-alive", "70"], "--timeout-keep-alive needs --http-port"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_a_bad_option_is_one_line_naming_the_option_and_pointing_to_help(

@@ -10,6 +10,16 @@ Start-up: the server answers at once (503 until the engine serves); once the fro
 503, gives running ones a second to receive the engine's shutdown error (or this process's, if the
 frontend is gone), lets uvicorn finish open responses for up to 3 s, and exits with 143 like the other
 processes. Ctrl-C belongs to the launcher, which stops every process in order.
+
+Keep-alive: an idle connection stays open `--timeout-keep-alive` seconds (65). A client reuses a pooled
+connection until its own expiry (httpx, and so the `openai` package: 5 s; aiohttp: 15 s; nginx and AWS
+load balancers: 60 s); a server that closes first races the client's next request, which then arrives on a
+socket being closed and fails with a connection reset (httpx's empty `ReadError`), never reaching the app.
+uvicorn's default of 5 s equals httpx's expiry: 5 of 200 requests sent after 4.8 to 5 s of idleness were lost.
+
+Connections: each is a file descriptor. The soft RLIMIT_NOFILE is raised to the hard limit at start-up,
+and uvicorn answers 503 to a request beyond `limit - FD_RESERVE` open connections, before the limit drops
+sockets without a word.
 """
 
 from __future__ import annotations
@@ -31,12 +41,16 @@ from common.config import EngineConfig
 from common.proc import engine_process_main
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
+from frontend.launcher import raise_open_file_limit
 from frontend.openai.routes import ServerState, build_app, version
 
 log = logging.getLogger("deltaserve.http")
 GRACEFUL_SHUTDOWN_S = 3.0
 FAIL_OPEN_REQUESTS_AFTER_S = 1.0
 LISTEN_BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
+TIMEOUT_KEEP_ALIVE_S = 65  # longer than the idle expiry of common clients' and proxies' pools (<= 60 s)
+FD_RESERVE = 128  # descriptors kept for this process's own files and ZeroMQ sockets, beyond its connections
+FEW_CONNECTIONS = 4096  # below this many possible connections, the start-up log says how to raise it
 
 
 class _Server(uvicorn.Server):
@@ -54,11 +68,25 @@ class HTTPServerProcess:
         self.endpoints = endpoints
         self.name = f"http-{args.index}"
         self.host, self.port, self.fd = args.http_host, args.http_port, args.http_fd
+        self.timeout_keep_alive_s = args.timeout_keep_alive
+        self.max_connections = self._connection_limit()
         self.control = endpoints.make_socket(zmq.Context.instance(), zmq.PUSH, endpoints.control, bind=False)
         # The client port is CURVE-protected when it is an internal tcp socket (`--transport tcp` without
         # a served --port): this process then connects with its keys, like every internal peer.
         self.client_curve = endpoints.curve if args.client_curve else None
         self.stopped_by: int | None = None
+
+    def _connection_limit(self) -> int | None:
+        """The most connections served at once (None: unbounded), from RLIMIT_NOFILE once raised."""
+        nofile = raise_open_file_limit()
+        if nofile < 0:
+            return None
+        limit = max(1, nofile - FD_RESERVE)
+        if limit < FEW_CONNECTIONS:
+            log.warning("%s can hold only %d connections at once (RLIMIT_NOFILE is %d, and its hard limit); "
+                        "requests beyond them get a 503: raise it with `ulimit -Hn` (or LimitNOFILE= in systemd, "
+                        "--ulimit nofile= in Docker) before launching", self.name, limit, nofile)
+        return limit
 
     def start(self) -> None:
         pass  # the server answers (503) before the engine is ready: everything happens in serve()
@@ -91,7 +119,8 @@ class HTTPServerProcess:
         level = self.config.log_level.lower()
         server = _Server(uvicorn.Config(build_app(state), log_level=level, access_log=level == "debug",
                                         lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                        server_header=False))
+                                        timeout_keep_alive=self.timeout_keep_alive_s,
+                                        limit_concurrency=self.max_connections, server_header=False))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, client, server)
         ready = asyncio.create_task(self._report_ready(client))
@@ -129,6 +158,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="the port served")
     parser.add_argument("--http-fd", type=int, default=-1,
                         help="a listening socket inherited from the launcher (-1: bind --http-host:--http-port)")
+    parser.add_argument("--timeout-keep-alive", type=int, default=TIMEOUT_KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open")
     parser.add_argument("--client-curve", action="store_true",
                         help="connect to the frontend's client socket with this process's CURVE keys "
                              "(DELTASERVE_CURVE_KEYS): it is an internal tcp socket")
