@@ -120,8 +120,10 @@ def parent_gone(parent_pid: int) -> bool:
     try:
         with open(f"/proc/{parent_pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
+    except FileNotFoundError:
         return True
+    except (OSError, IndexError):  # e.g. out of file descriptors: no evidence that the parent died
+        return False
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -35,3 +38,29 @@ def test_sigterm_that_lands_in_a_finalizer_still_stops_the_process_without_a_tra
     assert result.returncode == 128 + 15, result
     assert "still running" not in result.stdout
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_running_out_of_file_descriptors_is_not_taken_for_a_dead_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the launcher's /proc state can fail for reasons of our own (EMFILE): only a missing entry means it
+    died. Before, any OSError did, and a process out of descriptors sent itself SIGTERM with no reason given."""
+    import builtins
+    import errno
+
+    from common import proc
+
+    real_open = builtins.open
+
+    def failing_open(failure: OSError):
+        def fake(path, *args, **kwargs):
+            if str(path).startswith("/proc/"):
+                raise failure
+            return real_open(path, *args, **kwargs)
+        return fake
+
+    parent = os.getppid()
+    assert not proc.parent_gone(parent)
+    monkeypatch.setattr(builtins, "open", failing_open(OSError(errno.EMFILE, "Too many open files")))
+    assert not proc.parent_gone(parent)
+    monkeypatch.setattr(builtins, "open", failing_open(FileNotFoundError(errno.ENOENT, "gone")))
+    assert proc.parent_gone(parent)
+    assert proc.parent_gone(parent + 100_000)  # not our parent at all
