@@ -9,6 +9,10 @@ picks are run here explicitly (`choose_gemv_config`), since CPU tensors get the 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +163,53 @@ def test_gemv_config_refuses_values_the_kernel_cannot_run(field: str, value: int
     fields[field] = value
     with pytest.raises(ValueError, match=f"GemvConfig.{field} must be"):
         GemvConfig(**fields)
+
+
+# A fresh process compiles the kernels for sm90 (no GPU needed: Triton ships ptxas), since in this one they are
+# interpreted. Printed: for each variant, the instructions that make the design's point.
+HOPPER_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.gemv as g
+
+def variant(use_dot, split, even_k, has_bias, block_n, block_k):
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+           "partial_ptr": "*fp32" if split else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+           "stride_ym": "i32", "k_per_split": "i32"}
+    constexprs = {"BLOCK_M": 16 if use_dot else 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot,
+                  "HAS_BIAS": has_bias, "SPLIT": split, "EVEN_K": even_k, "WIDEN_DOT": False}
+    sig.update({name: "constexpr" for name in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8, 10)}
+    kernel = triton.compile(ASTSource(fn=g._gemv_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    return {op: len(re.findall(re.escape(op), ptx)) for op in ("wgmma.mma_async", "cp.async", "ld.global.v4")}
+
+reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+              "stride_ym": "i32", "num_splits": "i32", "BLOCK": "constexpr", "HAS_BIAS": "constexpr"}
+triton.compile(ASTSource(fn=g._sum_splits_kernel, signature=reduce_sig, constexprs={"BLOCK": 1024, "HAS_BIAS": True}),
+               target=GPUTarget("cuda", 90, 32))
+print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
+                  "dot-masked": variant(True, False, False, True, 16, 16),
+                  "fma": variant(False, True, True, False, 32, 256),
+                  "fma-masked": variant(False, False, False, True, 32, 256)}))
+"""
+
+
+def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # The dot path: wgmma fed by cp.async copies (Triton's software pipeline); the one-row path: 16-byte loads.
+    assert ops["dot"]["wgmma.mma_async"] > 0 and ops["dot"]["cp.async"] > 0
+    assert ops["fma"]["ld.global.v4"] > 0 and ops["fma"]["wgmma.mma_async"] == 0
 
 
 # ---------------------------------------------------------------------------------------- the heuristic
