@@ -43,6 +43,9 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # The heuristic's knobs (see `choose_gemv_config`).
 _TARGET_PROGRAMS_PER_SM = 4  # programs wanted per SM: enough resident loads to hide DRAM latency
 _DEFAULT_NUM_SMS = 132  # an H100/H200, where the device cannot be asked (CPU, the interpreter)
+# Batches up to this take the element-wise path, larger ones tensor cores (0: tensor cores always; benchmarks/gemv.py
+# times both at M = 1).
+_ELEMENTWISE_MAX_M = 1
 _TILE_ELEMENTS = 8192  # elements of W per program per loop iteration: 16 KiB of bf16
 _DOT_BLOCK_N = 64  # W rows per program on the tensor-core path (a wgmma tile's 64 rows)
 _DOT_BLOCK_M = 16  # batch rows per program on the tensor-core path: tl.dot's smallest dimension
@@ -93,8 +96,8 @@ def _pow2_at_most(n: int, limit: int) -> int:
 def choose_gemv_config(m: int, n: int, k: int, num_sms: int = _DEFAULT_NUM_SMS) -> GemvConfig:
     """The launch configuration for x `[m, k]` times W `[n, k]`, from the shapes alone.
 
-    1. Path: element-wise for m == 1 (two loads and one fused multiply-add per weight, no padding), tensor
-       cores (`tl.dot`, the batch padded to 16 rows) for m >= 2, where m multiply-adds per weight element
+    1. Path: element-wise for m <= `_ELEMENTWISE_MAX_M` (1: one multiply-add per weight element, no padding),
+       tensor cores (`tl.dot`, the batch padded to 16 rows) above, where m multiply-adds per weight element
        would otherwise compete with the loads for the SM's issue slots.
     2. Tile: `_TILE_ELEMENTS` (8192, 16 KiB of bf16) weight elements per program and iteration:
        block_n = 64 rows x block_k = 128 on the tensor-core path, 32 x 256 element-wise; smaller where n or k
@@ -107,7 +110,7 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int = _DEFAULT_NUM_SMS) 
 
     `num_sms` is the device's SM count (`torch.cuda.get_device_properties(...).multi_processor_count`).
     """
-    use_dot = m > 1
+    use_dot = m > _ELEMENTWISE_MAX_M
     if use_dot:
         block_n = _pow2_at_most(n, _DOT_BLOCK_N)
         rows_per_program = _DOT_BLOCK_M
@@ -122,9 +125,10 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int = _DEFAULT_NUM_SMS) 
 
 
 def _interpreter_config(m: int, n: int, k: int) -> GemvConfig:
-    """The configuration for CPU tensors: the interpreter runs one program at a time in Python, at a cost
-    per program that dwarfs its numpy arithmetic, so programs take up to 1024 rows and K is not split."""
-    return GemvConfig(block_n=_pow2_at_most(n, 1024), block_k=_pow2_at_most(k, 128), split_k=1, use_dot=m > 1)
+    """The configuration for CPU tensors: the interpreter runs programs one at a time in Python, so programs
+    take up to 1024 rows and K is not split, which keeps its per-program overhead small."""
+    return GemvConfig(block_n=_pow2_at_most(n, 1024), block_k=_pow2_at_most(k, 128), split_k=1,
+                      use_dot=m > _ELEMENTWISE_MAX_M)
 
 
 @functools.cache
