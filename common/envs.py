@@ -27,6 +27,14 @@ def _number(name: str, default: str, minimum: float, allow_minimum: bool, meanin
     return value
 
 
+def _whole_number(name: str, default: str, meaning: str) -> int:
+    """The integer >= 0 in variable `name` (`default` when unset), written in decimal digits."""
+    raw = os.environ.get(name, default)
+    if not (raw.strip().isascii() and raw.strip().isdigit()):
+        raise ValueError(f"{name} must be a whole number >= 0 ({meaning}), got {raw!r}")
+    return int(raw)
+
+
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     """The value of variable `name` (`default` when unset), refused unless one of `choices`."""
     value = os.environ.get(name, default)
@@ -96,6 +104,17 @@ def client_silence_s() -> float:
     return _number("DELTASERVE_CLIENT_SILENCE_S", "60", 0.0, allow_minimum=False, meaning="seconds")
 
 
+GEMV_MAX_BATCH_DEFAULT = 8
+
+
+def gemv_max_batch() -> int:
+    """DELTASERVE_GEMV_MAX_BATCH: the most rows (the tokens of a step: at decode, the batch) for which the linear
+    layers and the LM head multiply with our small-batch GEMV kernel (`kernels/gemv.py`) instead of cuBLAS, where
+    the fused kernels are on (CUDA without `enforce_eager`) and the weights are bf16/fp16 (default 8; 0 = always
+    cuBLAS). Read when the model is built."""
+    return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
+
+
 def all_reduce_impl() -> str:
     """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
     GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
@@ -162,6 +181,7 @@ def check_all() -> None:
     scheduler_timeout_s()
     frontend_timeout_s()
     all_reduce_impl()
+    gemv_max_batch()
     step_timeout_s()
     step_timeout_floor_s()
     check_invariants()

@@ -29,19 +29,7 @@ import triton.language as tl
 
 from kernels.fp8 import e4m3_bits
 from kernels.kv_store import check_kv_cache
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """float32 `x` rounded to `dtype`, to nearest even. The bfloat16 rounding is done on the bits
-    because the Triton interpreter truncates that cast, and the CPU tests must see the GPU's rounding
-    (`cvt.rn.bf16.f32`); finite values and infinities round exactly as the hardware does."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
+from kernels.rounding import round_to
 
 
 @triton.jit
@@ -62,13 +50,13 @@ def _norm_rotate(x1, x2, weight_ptr, cos, sin, eps, half_dims, dim_mask,
         w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half_dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
         # Rounded to the model dtype, then weighted: the product of two 16-bit floats is exact in
         # float32, so this rounds once, like torch's `weight * x.to(dtype)`.
-        x1 = _round(w1 * _round(a1 * inv_rms, dtype).to(tl.float32), dtype)
-        x2 = _round(w2 * _round(a2 * inv_rms, dtype).to(tl.float32), dtype)
+        x1 = round_to(w1 * round_to(a1 * inv_rms, dtype).to(tl.float32), dtype)
+        x2 = round_to(w2 * round_to(a2 * inv_rms, dtype).to(tl.float32), dtype)
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
-    return _round(f1 * cos - f2 * sin, dtype), _round(f2 * cos + f1 * sin, dtype)
+    return round_to(f1 * cos - f2 * sin, dtype), round_to(f2 * cos + f1 * sin, dtype)
 
 
 @triton.jit

@@ -7,7 +7,8 @@
 #   offline  throughput (triton, FA4, fp8 KV, --filtered), profile_step, latency, prefill, kernels  (~8 min)
 #   profiled the reference workload profiled into $out/profile                                      (~2 min)
 #   structured decode at batch 64 under one JSON schema against unconstrained (issue 16)           (~2 min)
-#   batch1   where a batch-1 decode step goes: profile_step and latency at temperature 0 and 1       (~3 min)
+#   batch1   where a batch-1 decode step goes: profile_step and latency at temperature 0 and 1, the GEMV
+#            kernel against cuBLAS per layer, and batch-1 latency with cuBLAS alone                    (~5 min)
 #   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
 #   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
 set -uo pipefail
@@ -66,6 +67,12 @@ for t in 0 1; do
       --temperature $t --num-iters-warmup 2 --num-iters 5 --json "$out/latency-batch1-t$t.json" 2>&1 \
       | tee "$out/latency-batch1-t$t.log"
 done
+# Issue 15 target 2's lever: the small-batch GEMV against cuBLAS per layer shape and batch, then batch 1 with
+# cuBLAS alone (DELTASERVE_GEMV_MAX_BATCH=0) to compare with latency-batch1-t0 (GEMV on by default).
+timeout 120 python3 benchmarks/gemv.py --json "$out/gemv.json" 2>&1 | tee "$out/gemv.log"
+DELTASERVE_GEMV_MAX_BATCH=0 timeout 200 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 \
+    --output-len 512 --batch-size 1 --temperature 0 --num-iters-warmup 2 --num-iters 5 \
+    --json "$out/latency-batch1-t0-cublas.json" 2>&1 | tee "$out/latency-batch1-t0-cublas.log"
 fi
 if want serving; then
 # Over HTTP (benchmarks/serving.py starts the server itself): the reference workload as 256 concurrent

@@ -41,6 +41,22 @@ def test_all_reduce_must_be_auto_or_nccl(monkeypatch: pytest.MonkeyPatch, value:
         envs.all_reduce_impl()
 
 
+def test_gemv_max_batch_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DELTASERVE_GEMV_MAX_BATCH", raising=False)
+    assert envs.gemv_max_batch() == 8
+    monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "16")
+    assert envs.gemv_max_batch() == 16
+    monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "0")
+    assert envs.gemv_max_batch() == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "2.5", "1e3", "eight", "", "\u00b2"])
+def test_gemv_max_batch_must_be_a_whole_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", value)
+    with pytest.raises(ValueError, match=r"DELTASERVE_GEMV_MAX_BATCH must be a whole number >= 0 \(rows; 0 = off\)"):
+        envs.gemv_max_batch()
+
+
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("Yes", True), ("ON", True),
                                                  ("0", False), ("False", False), ("no", False), ("off", False),
                                                  ("", False)])
@@ -60,6 +76,7 @@ def test_check_invariants_refuses_other_words_by_name(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(("name", "value"), [("DELTASERVE_ALL_REDUCE", "bogus"),
                                              ("DELTASERVE_CLIENT_SILENCE_S", "0"),
                                              ("DELTASERVE_CHECK_INVARIANTS", "maybe"),
+                                             ("DELTASERVE_GEMV_MAX_BATCH", "-1"),
                                              ("DELTASERVE_PROFILE_WITH_STACK", "stacks")])
 def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      name: str, value: str) -> None:

@@ -226,7 +226,11 @@ def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "to
 
     cfg = EngineConfig(model=str(model), device="cpu", dtype=dtype, block_size=16, max_model_len=128,
                        max_num_seqs=4, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype).resolve()
-    runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+    with pytest.MonkeyPatch.context() as env:
+        # The matmuls stay F.linear's: this compares the rope kernel alone (tests/kernels/test_gemv.py runs
+        # a model through the GEMV kernel), and the interpreter would spend seconds on each LM head.
+        env.setenv("DELTASERVE_GEMV_MAX_BATCH", "0")
+        runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
     runner.allocate_kv_cache(12)
     prompts = [synthetic_prompt(n, seed=n) for n in (20, 33, 7)]
     blocks = [[0, 1, 2], [4, 5, 6], [8, 9]]

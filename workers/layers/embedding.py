@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import envs
+from workers.layers.linear import linear
 from workers.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -38,7 +40,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden `[n, hidden_size]` -> this rank's logits `[n, vocab_end - vocab_start]`: columns
     vocab_start.. of the vocabulary (all of it at TP=1). The logits are never gathered: the
-    sampler picks each rank's best candidate and the ranks exchange only those (workers/sampler.py)."""
+    sampler picks each rank's best candidate and the ranks exchange only those (workers/sampler.py). At a small
+    batch the product runs through our GEMV kernel (`workers/layers/linear.py` `linear`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.gemv_max_batch = envs.gemv_max_batch()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return F.linear(hidden, self.weight[: self.vocab_end - self.vocab_start])
+        return linear(hidden, self.weight[: self.vocab_end - self.vocab_start], None, self.gemv_max_batch)

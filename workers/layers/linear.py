@@ -2,7 +2,8 @@
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
 rank's part of a checkpoint tensor into it, so the loader never needs to know the layout.
-Weights are `[out_features, in_features]` as in `torch.nn.Linear`.
+Weights are `[out_features, in_features]` as in `torch.nn.Linear`. At a small batch (decode) the
+matmul runs through our GEMV kernel (`kernels/gemv.py`, see `linear`), otherwise through cuBLAS.
 """
 
 from __future__ import annotations
@@ -11,7 +12,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import envs
+from workers.layers.fused import fused_kernels_enabled
 from workers.parallel import all_reduce, tp_rank, tp_size
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_batch: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: x `[T, in]`, weight `[out, in]`, bias `[out]` or None -> `[T, out]`.
+
+    Runs our small-batch GEMV kernel (`kernels.gemv.gemv`, which reads the weight at memory bandwidth where
+    cuBLAS does not) when the fused kernels are on for x (`fused_kernels_enabled`), x is 2-D with 1 to
+    `gemv_max_batch` rows (`DELTASERVE_GEMV_MAX_BATCH`; 0 never), and weight is a contiguous bf16/fp16
+    matrix of x's dtype; F.linear otherwise.
+    """
+    if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_batch and fused_kernels_enabled(x)
+            and weight.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_contiguous()
+            and x.stride(1) == 1 and (bias is None or bias.is_contiguous())):
+        from kernels.gemv import gemv  # Triton is imported only where it runs
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -25,6 +47,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
+        self.gemv_max_batch = envs.gemv_max_batch()
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -37,7 +60,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.gemv_max_batch)
 
 
 class ReplicatedLinear(LinearBase):
@@ -135,7 +158,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.gemv_max_batch)
         if tp_size() > 1 and self.reduce_results:
             y = all_reduce(y)
         if self.bias is not None and (self.reduce_results or tp_rank() == 0):
