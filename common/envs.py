@@ -104,13 +104,13 @@ def client_silence_s() -> float:
     return _number("DELTASERVE_CLIENT_SILENCE_S", "60", 0.0, allow_minimum=False, meaning="seconds")
 
 
-GEMV_MAX_BATCH_DEFAULT = 8
+GEMV_MAX_BATCH_DEFAULT = 1  # the H200 run of benchmarks/gemv.py: ours wins at batch 1 only (benchmarks/RESULTS.md)
 
 
 def gemv_max_batch() -> int:
     """DELTASERVE_GEMV_MAX_BATCH: the most rows (the tokens of a step: at decode, the batch) for which the linear
     layers and the LM head multiply with our small-batch GEMV kernel (`kernels/gemv.py`) instead of cuBLAS, where
-    the fused kernels are on (CUDA without `enforce_eager`) and the weights are bf16/fp16 (default 8; 0 = always
+    the fused kernels are on (CUDA without `enforce_eager`) and the weights are bf16/fp16 (default 1; 0 = always
     cuBLAS). Read when the model is built."""
     return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
 

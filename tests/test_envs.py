@@ -43,7 +43,7 @@ def test_all_reduce_must_be_auto_or_nccl(monkeypatch: pytest.MonkeyPatch, value:
 
 def test_gemv_max_batch_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DELTASERVE_GEMV_MAX_BATCH", raising=False)
-    assert envs.gemv_max_batch() == 8
+    assert envs.gemv_max_batch() == 1
     monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "16")
     assert envs.gemv_max_batch() == 16
     monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "0")

@@ -278,7 +278,7 @@ def test_layers_read_the_maximum_batch_from_the_environment(monkeypatch: pytest.
     monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "3")
     assert ReplicatedLinear(4, 4).gemv_max_batch == ParallelLMHead(10, 4).gemv_max_batch == 3
     monkeypatch.delenv("DELTASERVE_GEMV_MAX_BATCH")
-    assert ReplicatedLinear(4, 4).gemv_max_batch == 8
+    assert ReplicatedLinear(4, 4).gemv_max_batch == 1
 
 
 # ---------------------------------------------------------------------------------------- whole model
