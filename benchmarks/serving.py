@@ -360,7 +360,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     p.add_argument("--launch", default=None, metavar="MODEL_DIR", help="start deltaserve on this model first")
-    p.add_argument("--launch-arg", action="append", default=[], help="extra launch.py argument (repeat)")
+    p.add_argument("--launch-arg", action="append", default=[],
+                   help="one extra launch.py word per use: --launch-arg=--api-server-count=2, or "
+                        "--launch-arg=--flag --launch-arg=VALUE")
     p.add_argument("--offline", default=None, metavar="MODEL_DIR",
                    help="no HTTP: the same requests through LLM.generate on this model (burst, or --max-concurrency 1)")
     p.add_argument("--max-model-len", type=int, default=4096, help="with --launch")
@@ -429,12 +431,13 @@ def main() -> None:
                 summary["cpu_s_per_wall_s"] = {name: used[name] / duration for name in sorted(used)}
                 http_cpu = sum(s for name, s in used.items() if name.startswith("http"))
                 summary["http_cpu_us_per_output_token"] = 1e6 * http_cpu / max(1, summary["total_output_tokens"])
-                print("server CPU s per wall s: " + ", ".join(f"{n} {v:.2f}" for n, v in
-                                                              summary["cpu_s_per_wall_s"].items()))
-                print(f"HTTP server CPU per output token: {summary['http_cpu_us_per_output_token']:.1f} us")
             summary.update(model=model, base_url=args.base_url, dataset=args.dataset, endpoint=args.endpoint,
                            max_concurrency=args.max_concurrency, client_processes=args.client_processes)
             print_summary(summary)
+            if pids:  # after the run's own table, so that several rates do not read as each other's
+                print("server CPU s per wall s: " + ", ".join(f"{n} {v:.2f}" for n, v in
+                                                              summary["cpu_s_per_wall_s"].items()))
+                print(f"HTTP server CPU per output token: {summary['http_cpu_us_per_output_token']:.1f} us")
             summaries.append(summary)
         print(json.dumps(summaries))
         if args.json:

@@ -21,7 +21,9 @@ class ArgumentParser(argparse.ArgumentParser):
     usage block of every option printed before a one-line mistake buried the mistake."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # A bad environment variable is not among the options --help lists: point at README's list instead.
+        where = "README.md, Engine settings" if message.startswith("DELTASERVE_") else "see --help"
+        self.exit(2, f"{self.prog}: error: {message} ({where})\n")
 
     def option_error(self, message: str) -> NoReturn:
         """`error` for a setting's `ValueError`, whose message starts with the setting's field name

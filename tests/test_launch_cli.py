@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -151,3 +152,14 @@ def test_missing_or_corrupt_weights_are_one_line_naming_the_file(
     expected = (f"no \\*.safetensors file in {model}: the checkpoint's weights are missing" if damage == "missing"
                 else f"cannot read the checkpoint file {weights}: .* \\(a truncated or corrupt download\\?\\)")
     assert re.fullmatch(f"error: worker-tp0: {expected}; the engine was shut down", line), line
+
+
+def test_a_bad_environment_variable_is_one_line_pointing_to_the_readme_not_to_help(tiny_qwen3: Path) -> None:
+    """--help lists options, not environment variables: a bad DELTASERVE_* value points at README's list."""
+    env = {**os.environ, "DELTASERVE_GEMV_MAX_BATCH": "abc"}
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--prompt", "hi"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert result.stderr.endswith("error: DELTASERVE_GEMV_MAX_BATCH must be a whole number >= 0 (rows; 0 = off), "
+                                  "got 'abc' (README.md, Engine settings)\n"), result.stderr
+    assert result.stderr.count("\n") == 1
