@@ -105,6 +105,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     from frontend.client import add_sampling_arguments
+    from frontend.launcher import TIMEOUT_KEEP_ALIVE_S
 
     add_sampling_arguments(s)
     s.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
@@ -124,9 +125,9 @@ def build_parser() -> ArgumentParser:
     v.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server processes sharing --http-port (more only if one cannot keep up)")
     v.add_argument("--timeout-keep-alive", type=int, default=None, metavar="SECONDS",
-                   help="seconds an idle HTTP keep-alive connection stays open (default 65: longer than the pool "
-                        "expiry of common clients, 5 s for httpx and openai, so that none reuses a connection "
-                        "just as the server closes it)")
+                   help=f"seconds an idle HTTP keep-alive connection stays open (default {TIMEOUT_KEEP_ALIVE_S}: "
+                        "longer than the pool expiry of common clients, 5 s for httpx and openai, so that none reuses "
+                        "a connection just as the server closes it)")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
     v.add_argument("--client-key", default=None,

@@ -38,6 +38,11 @@ PROFILE_SHUTDOWN_S = 120.0  # with profiling, the processes write their traces (
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Seconds an idle HTTP keep-alive connection stays open: longer than the idle expiry of common clients' and
+# proxies' pools (httpx 5 s, aiohttp 15 s, load balancers <= 60 s; see frontend/openai/server.py).
+TIMEOUT_KEEP_ALIVE_S = 65
+
+
 @dataclass(frozen=True)
 class HTTPOptions:
     """The OpenAI-compatible HTTP server: `count` processes serving `host`:`port` through `listener` (a
@@ -48,7 +53,7 @@ class HTTPOptions:
     listener: socket.socket
     api_key: str | None = None
     count: int = 1
-    timeout_keep_alive_s: int = 65  # see frontend/openai/server.py: longer than clients' pool expiry
+    timeout_keep_alive_s: int = TIMEOUT_KEEP_ALIVE_S
 
 
 def raise_open_file_limit() -> int:

@@ -41,14 +41,13 @@ from common.config import EngineConfig
 from common.proc import engine_process_main
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
-from frontend.launcher import raise_open_file_limit
+from frontend.launcher import TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
 from frontend.openai.routes import ServerState, build_app, version
 
 log = logging.getLogger("deltaserve.http")
 GRACEFUL_SHUTDOWN_S = 3.0
 FAIL_OPEN_REQUESTS_AFTER_S = 1.0
 LISTEN_BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
-TIMEOUT_KEEP_ALIVE_S = 65  # longer than the idle expiry of common clients' and proxies' pools (<= 60 s)
 FD_RESERVE = 128  # descriptors kept for this process's own files and ZeroMQ sockets, beyond its connections
 FEW_CONNECTIONS = 4096  # below this many possible connections, the start-up log says how to raise it
 
