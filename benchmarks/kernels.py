@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py             # attention, then sampling
     python benchmarks/kernels.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
+    python benchmarks/kernels.py sweep       # the decode kernel's launch configurations (tuning)
 
 Sampling rows time `kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
 151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays
@@ -183,12 +184,51 @@ def bench_sampling() -> None:
         bench_sampling_batch(batch, torch.cuda.get_device_properties(0).multi_processor_count)
 
 
+def sweep_decode(name: str, seq_lens: list[int], fp8: bool, num_splits: int | None = None) -> None:
+    """Time every (BLOCK_N, num_warps, num_stages) of the decode kernel on one batch, fastest first."""
+    batch = make_batch([1] * len(seq_lens), seq_lens, 16, fp8)
+    ref = reference(batch)
+    rows = []
+    for block_n in (32, 64, 128):
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3, 4):
+                def run(config: tuple[int, int, int] = (block_n, num_warps, num_stages)) -> torch.Tensor:
+                    return paged_attention_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                  batch.seq_lens, SCALE, num_splits=num_splits,
+                                                  k_scale=batch.k_scale, v_scale=batch.v_scale,
+                                                  launch_config=config)
+                try:
+                    error = relative_error(run(), ref)
+                    ms = do_bench(run, return_mode="median")
+                except Exception as e:  # a configuration the compiler refuses (e.g. out of shared memory)
+                    print(f"{name}: BLOCK_N {block_n} warps {num_warps} stages {num_stages}: {type(e).__name__}")
+                    continue
+                rows.append((ms, block_n, num_warps, num_stages, error))
+    print(f"{name}: {kv_bytes(batch) / 1e9:.3f} GB of KV; BLOCK_N, warps, stages, time us, TB/s, rel err")
+    for ms, block_n, num_warps, num_stages, error in sorted(rows):
+        print(f"  {block_n:>4} {num_warps:>2} {num_stages:>2} {ms * 1e3:>9.1f} {kv_bytes(batch) / ms / 1e9:>6.2f} "
+              f"{error:.1e}")
+
+
+def sweep() -> None:
+    """The decode kernel's launch configurations at batch 256 (bf16 and fp8 KV) and batch 1, for tuning."""
+    rng = random.Random(0)
+    batch_256 = [rng.randint(100, 2000) for _ in range(256)]
+    sweep_decode("decode b=256 ctx 100..2000", batch_256, fp8=False)
+    sweep_decode("decode b=256 ctx 100..2000, fp8 KV", batch_256, fp8=True)
+    # The engine's CUDA graphs see the block table of max_model_len, so batch 1 gets 16 splits.
+    sweep_decode("decode b=1 ctx 600, 16 splits", [600], fp8=False, num_splits=16)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     if sys.argv[1:] == ["sampling"]:
         bench_sampling()
+        return
+    if sys.argv[1:] == ["sweep"]:
+        sweep()
         return
     rng = random.Random(0)
     print(f"{torch.cuda.get_device_name()}, {DTYPE}, {NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads / "

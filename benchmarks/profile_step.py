@@ -2,7 +2,7 @@
 
 For a checkpoint (e.g. the Qwen3-0.6B shape) at batch 256 with a given context: the model
 forward as a CUDA graph, sampling, the whole step (synchronous, and pipelined as the worker runs
-it), and the kernels of one eager decode step from torch.profiler.
+it), and the kernels of the CUDA-graph forward and of one eager decode step from torch.profiler.
 
     python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton] [--tp 1]
                                       [--filtered]
@@ -161,6 +161,9 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
 
     if filtered_ms is not None:
         kernel_table("processed sampling (filtered rows)", processed_sampling, 20)
+    # Inside a graph the kernels still run one after another: their sum against the replay's time above is the
+    # share lost to launch gaps and ramps between kernels.
+    kernel_table("model forward as a CUDA graph", graph.replay, 25)
     runner.graphs.clear()  # profile the eager step: every kernel is visible
     one_step()
     kernel_table("eager decode step", one_step, 25)

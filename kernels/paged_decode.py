@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import FP8_KV_DTYPE
 from kernels.paged_attention import (
     LOG2_E,
     MIN_DOT_ROWS,
@@ -166,11 +167,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     return 1 << (splits.bit_length() - 1)
 
 
-def _decode_launch_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, num_warps, num_stages), tuned for Hopper."""
-    if head_dim <= 128:
+def _decode_launch_config(head_dim: int, cache_dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages), tuned on an H200 (`benchmarks/kernels.py sweep`).
+
+    Unsplit (a large batch), 128-key tiles: bf16 287 us against 299 us for 64-key tiles at batch 256 and
+    contexts 100..2000 (3.97 TB/s), and an fp8 cache 218 us against 316 us (its tile is widened to fp16 in
+    registers, so fewer, longer tiles pay more). Split (a small batch), 64-key tiles keep the splits fine.
+    """
+    if head_dim > 128:
+        return 32, 4, 2
+    if num_splits > 1:
         return 64, 4, 3
-    return 32, 4, 2
+    if cache_dtype == FP8_KV_DTYPE:
+        return 128, 4, 2
+    return 128, 4, 4
 
 
 def paged_attention_decode(
@@ -184,6 +194,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    launch_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest token over its whole KV history in the paged cache.
 
@@ -204,6 +215,8 @@ def paged_attention_decode(
             the batch size, head count and block-table width (`choose_num_splits`).
         k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
             cache in q's dtype.
+        launch_config: (BLOCK_N keys per tile, num_warps, num_stages) in place of the tuned default
+            (`_decode_launch_config`); for tuning runs (benchmarks/kernels.py sweep).
 
     Returns:
         `out`, `[num_seqs, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -229,7 +242,7 @@ def paged_attention_decode(
         return out
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    block_n, num_warps, num_stages = _decode_launch_config(head_dim)
+    block_n, num_warps, num_stages = launch_config or _decode_launch_config(head_dim, k_cache.dtype, num_splits)
     if num_splits == 1:
         partial_out = partial_lse = out  # unused: the kernel writes `out` directly
     else:

@@ -22,7 +22,6 @@ from kernels import (  # noqa: E402
     choose_num_splits,
     paged_attention_decode,
     paged_attention_prefill,
-    paged_decode,
     paged_prefill,
     store_kvcache,
 )
@@ -124,9 +123,9 @@ def prefill(q: torch.Tensor, kv: PagedKV, q_lens: list[int], seq_lens: list[int]
 
 
 def decode(q: torch.Tensor, kv: PagedKV, seq_lens: list[int], scale: float, out: torch.Tensor | None = None,
-           num_splits: int | None = None) -> torch.Tensor:
+           num_splits: int | None = None, launch_config: tuple[int, int, int] | None = None) -> torch.Tensor:
     return paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, i32(seq_lens), scale, out=out,
-                                  num_splits=num_splits)
+                                  num_splits=num_splits, launch_config=launch_config)
 
 
 def run_prefill(q_lens: list[int], seq_lens: list[int], block_size: int, num_q_heads: int, num_kv_heads: int,
@@ -142,14 +141,15 @@ def run_prefill(q_lens: list[int], seq_lens: list[int], block_size: int, num_q_h
 
 def run_decode(seq_lens: list[int], block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                seed: int, num_splits: int | None, dtype: torch.dtype = torch.float32,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               launch_config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode into a NaN-poisoned output; padding rows get NaN queries. Returns (out, reference)."""
     torch.manual_seed(seed)
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype)
     q[torch.tensor(seq_lens) == 0] = float("nan")
     scale = head_dim**-0.5
-    out = decode(q, kv, seq_lens, scale, out=torch.full_like(q, float("nan")), num_splits=num_splits)
+    out = decode(q, kv, seq_lens, scale, out=torch.full_like(q, float("nan")), num_splits=num_splits,
+                 launch_config=launch_config)
     return out, reference_attention(q, kv.keys, kv.values, [1] * len(seq_lens), scale)
 
 
@@ -222,10 +222,9 @@ def test_prefill_reads_q_through_strides_of_a_fused_qkv_view() -> None:
 def test_small_tiles_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # 16x16 tiles put many tile edges inside each sequence, block and query range.
     monkeypatch.setattr(paged_prefill, "_prefill_launch_config", lambda group, head_dim: (16, 16, 4, 1))
-    monkeypatch.setattr(paged_decode, "_decode_launch_config", lambda head_dim: (16, 4, 1))
     out, ref = run_prefill([45, 1, 16, 17], [45, 70, 48, 33], 48, 6, 2, 32, seed=13)
     assert_matches(out, ref)
-    out, ref = run_decode([45, 0, 16, 17, 100], 16, 6, 2, 32, seed=14, num_splits=4)
+    out, ref = run_decode([45, 0, 16, 17, 100], 16, 6, 2, 32, seed=14, num_splits=4, launch_config=(16, 4, 1))
     assert_matches(out, ref)
 
 
@@ -278,6 +277,15 @@ def test_decode_split_counts_agree() -> None:
     outputs = [run_decode(seq_lens, 32, 4, 2, 64, seed=3, num_splits=n)[0] for n in (1, 2, 8, 16)]
     for other in outputs[1:]:
         assert relative_error(other, outputs[0].double()) < 1e-5
+
+
+@pytest.mark.parametrize("launch_config", [(32, 2, 1), (64, 4, 3), (128, 4, 2), (128, 8, 4)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_every_tile_size_matches_reference(launch_config: tuple[int, int, int], num_splits: int) -> None:
+    # Lengths around the 32-, 64- and 128-key tile edges, and a padding row.
+    out, ref = run_decode([1, 31, 64, 129, 0, 300], 16, 4, 2, 64, seed=sum(launch_config) + num_splits,
+                          num_splits=num_splits, launch_config=launch_config)
+    assert_matches(out, ref)
 
 
 def test_decode_default_split_count_matches_reference() -> None:
