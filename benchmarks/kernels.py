@@ -2,7 +2,7 @@
 
     python benchmarks/kernels.py             # attention, then sampling
     python benchmarks/kernels.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
-    python benchmarks/kernels.py sweep       # the decode kernel's launch configurations (tuning)
+    python benchmarks/kernels.py sweep [fp8] # the decode kernel's launch configurations (tuning; fp8: that cache only)
 
 Sampling rows time `kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
 151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays
@@ -184,12 +184,13 @@ def bench_sampling() -> None:
         bench_sampling_batch(batch, torch.cuda.get_device_properties(0).multi_processor_count)
 
 
-def sweep_decode(name: str, seq_lens: list[int], fp8: bool, num_splits: int | None = None) -> None:
+def sweep_decode(name: str, seq_lens: list[int], fp8: bool, num_splits: int | None = None,
+                 block_ns: tuple[int, ...] = (32, 64, 128)) -> None:
     """Time every (BLOCK_N, num_warps, num_stages) of the decode kernel on one batch, fastest first."""
     batch = make_batch([1] * len(seq_lens), seq_lens, 16, fp8)
     ref = reference(batch)
     rows = []
-    for block_n in (32, 64, 128):
+    for block_n in block_ns:
         for num_warps in (2, 4, 8):
             for num_stages in (1, 2, 3, 4):
                 def run(config: tuple[int, int, int] = (block_n, num_warps, num_stages)) -> torch.Tensor:
@@ -210,12 +211,15 @@ def sweep_decode(name: str, seq_lens: list[int], fp8: bool, num_splits: int | No
               f"{error:.1e}")
 
 
-def sweep() -> None:
+def sweep(which: str = "all") -> None:
     """The decode kernel's launch configurations at batch 256 (bf16 and fp8 KV) and batch 1, for tuning."""
     rng = random.Random(0)
     batch_256 = [rng.randint(100, 2000) for _ in range(256)]
+    if which == "fp8":
+        sweep_decode("decode b=256 ctx 100..2000, fp8 KV", batch_256, fp8=True, block_ns=(64, 128, 256))
+        return
     sweep_decode("decode b=256 ctx 100..2000", batch_256, fp8=False)
-    sweep_decode("decode b=256 ctx 100..2000, fp8 KV", batch_256, fp8=True)
+    sweep_decode("decode b=256 ctx 100..2000, fp8 KV", batch_256, fp8=True, block_ns=(64, 128, 256))
     # The engine's CUDA graphs see the block table of max_model_len, so batch 1 gets 16 splits.
     sweep_decode("decode b=1 ctx 600, 16 splits", [600], fp8=False, num_splits=16)
 
@@ -227,8 +231,8 @@ def main() -> None:
     if sys.argv[1:] == ["sampling"]:
         bench_sampling()
         return
-    if sys.argv[1:] == ["sweep"]:
-        sweep()
+    if sys.argv[1:2] == ["sweep"]:
+        sweep(*sys.argv[2:3])
         return
     rng = random.Random(0)
     print(f"{torch.cuda.get_device_name()}, {DTYPE}, {NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads / "

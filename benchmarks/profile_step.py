@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process and GPU each")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also run the pipelined steps under cProfile and print where the host's time goes")
     ap.add_argument("--filtered", action="store_true",
                     help="requests set top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     args = ap.parse_args()
@@ -110,6 +112,8 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
         pending = nxt
     runner.finalize(pending)
     pipelined_ms = (time.perf_counter() - t0) / n * 1e3
+    if args.host_profile:
+        host_profile(runner, decode, say)
     graph, out = runner.graphs[b]
     forward_ms = cuda_ms(graph.replay)
     hidden = out[:b]
@@ -167,6 +171,29 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     runner.graphs.clear()  # profile the eager step: every kernel is visible
     one_step()
     kernel_table("eager decode step", one_step, 25)
+
+
+def host_profile(runner: ModelRunner, plan: StepPlan, say) -> None:
+    """200 pipelined steps under cProfile: the host functions that cost the most, by own time and in all."""
+    import cProfile
+    import pstats
+
+    steps = 200
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    pending = runner.execute(plan)
+    for _ in range(steps - 1):
+        nxt = runner.execute(plan)
+        runner.finalize(pending)
+        pending = nxt
+    runner.finalize(pending)
+    prof.disable()
+    say(f"host profile: {steps} pipelined steps, {(time.perf_counter() - t0) / steps * 1e3:.3f} ms a step under "
+        "cProfile (times below are per run of all steps)")
+    stats = pstats.Stats(prof)
+    for order in ("tottime", "cumulative"):
+        stats.sort_stats(order).print_stats(28)
 
 
 if __name__ == "__main__":
