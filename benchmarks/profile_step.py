@@ -116,6 +116,16 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
         host_profile(runner, decode, say)
     graph, out = runner.graphs[b]
     forward_ms = cuda_ms(graph.replay)
+    idle_launch, busy_launch = [], []  # host time of graph.replay() on an idle device, and behind another replay
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        graph.replay()
+        idle_launch.append(t1 - t0)
+        busy_launch.append(time.perf_counter() - t1)
+    torch.cuda.synchronize()
     hidden = out[:b]
     logits_ms = cuda_ms(lambda: runner.model.compute_logits(hidden))
     logits = runner.model.compute_logits(hidden)
@@ -140,6 +150,8 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}"
         f"{', filtered requests' if args.filtered else ''}")
     say(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
+    say(f"host time of graph.replay()  {statistics.median(idle_launch) * 1e3:7.3f} ms on an idle device, "
+        f"{statistics.median(busy_launch) * 1e3:.3f} ms behind another replay")
     say(f"LM head                      {logits_ms:7.3f} ms")
     say(f"sampling T={args.temperature}              {sample_ms:7.3f} ms   (greedy {greedy_ms:.3f} ms)")
     if filtered_ms is not None:

@@ -142,6 +142,12 @@ def main() -> None:
               f"({len(full_decode)} steps)")
     print(f"device busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_between_steps_s']:.3f} s "
           f"over {len(steps)} steps (mean {result['mean_idle_between_steps_ms'] or 0:.3f} ms)")
+    timed = [st for st in steps if "gpu_ms" in st]
+    prefill_ms = sum(st["gpu_ms"] for st in timed if not st.get("decode"))
+    print(f"of which steps with prefill {prefill_ms / 1e3:.2f} s ({sum(not st.get('decode') for st in timed)} steps); "
+          "slowest steps (device ms, rows, tokens, decode): " + ", ".join(
+              f"{st['gpu_ms']:.1f} ({st['rows']}, {st['tokens']}, {bool(st.get('decode'))})"
+              for st in sorted(timed, key=lambda st: -st["gpu_ms"])[:5]))
     print(f"process CPU: {format_cpu(cpu_used, elapsed)}")
     print(f"KV cache ({args.kv_cache_dtype}): {kv_capacity_tokens} tokens")
     print(json.dumps(result))
