@@ -9,6 +9,7 @@ picks are run here explicitly (`choose_gemv_config`), since CPU tensors get the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,6 +106,56 @@ def test_gemv_gives_the_same_bits_on_a_second_call(m: int) -> None:
     assert torch.equal(first, second)
 
 
+SPLIT_CONFIGS = [
+    GemvConfig(block_n=32, block_k=32, split_k=7, use_dot=False),
+    GemvConfig(block_n=16, block_k=64, split_k=3, use_dot=False),
+    GemvConfig(block_n=16, block_k=16, split_k=5, use_dot=True),
+]
+SPLIT_IDS = ["fma-split7", "fma-split3", "dot-split5"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=SPLIT_IDS)
+def test_one_launch_split_k_gives_the_bits_of_the_two_launch_sum(dtype: torch.dtype, m: int,
+                                                                 config: GemvConfig) -> None:
+    """The last split to arrive adds every split's partial in split order, as the second kernel does."""
+    x, weight, bias = make_inputs(m, 90, 150, dtype, True, seed=m)
+
+    one = gemv(x, weight, bias, config=config)
+    two = gemv(x, weight, bias, config=dataclasses.replace(config, one_launch=False))
+
+    assert torch.equal(one, two)
+    assert_rounded_float32_sum(one, x, weight, bias)
+
+
+def test_one_launch_split_k_leaves_its_counters_zero_so_every_call_gives_the_same_bits() -> None:
+    """As a CUDA graph replays it: the same launch again and again, each finding the counters as the last left them."""
+    x, weight, bias = make_inputs(1, 257, 520, torch.bfloat16, True, seed=5)
+    config = choose_gemv_config(1, 257, 520, num_sms=132)
+    assert config.split_k > 1 and config.one_launch
+
+    results = [gemv(x, weight, bias, config=config) for _ in range(4)]
+
+    assert all(torch.equal(results[0], y) for y in results[1:])
+    assert not gemv_module._counters[x.device].any()
+
+
+def test_a_split_grid_larger_than_the_counters_gets_a_larger_workspace_and_the_old_one_stays_alive() -> None:
+    """A graph captured with the smaller workspace still points at it, so it must never be freed."""
+    x, weight, bias = make_inputs(1, 40, 64, torch.float16, True, seed=2)
+    gemv(x, weight, bias, config=GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=False))
+    small = gemv_module._counters[x.device]
+    tiles = small.numel() + 1  # one W row per tile
+    x, weight, bias = make_inputs(1, tiles * 16, 32, torch.float16, True, seed=3)
+
+    y = gemv(x, weight, bias, config=GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=False))
+
+    assert gemv_module._counters[x.device].numel() == tiles
+    assert any(old is small for old in gemv_module._retired_counters)
+    assert_rounded_float32_sum(y, x, weight, bias)
+
+
 def test_gemv_rounds_to_nearest_even_like_the_gpu() -> None:
     """1 + 2^-8 + 2^-9 lies past the midpoint of two bfloat16 neighbours (1 and 1 + 2^-7): truncation, what the
     interpreter's own float32 -> bfloat16 cast does, would give 1."""
@@ -174,27 +225,35 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.gemv as g
 
-def variant(use_dot, split, even_k, has_bias, block_n, block_k):
+def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False):
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-           "partial_ptr": "*fp32" if split else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "k_per_split": "i32"}
+           "partial_ptr": "*fp32" if split else "*bf16", "counter_ptr": "*i32" if split and one_launch else "*bf16",
+           "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "h_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "k_per_split": "i32",
+           "eps": "fp32"}
     constexprs = {"BLOCK_M": 16 if use_dot else 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot,
-                  "HAS_BIAS": has_bias, "SPLIT": split, "EVEN_K": even_k, "WIDEN_DOT": False}
+                  "HAS_BIAS": has_bias, "SPLIT": split, "ONE_LAUNCH": split and one_launch, "EVEN_K": even_k,
+                  "WIDEN_DOT": False, "SILU_MUL": silu_mul, "RMS_NORM": rms_norm, "HAS_RESIDUAL": rms_norm}
     sig.update({name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8, 10)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 14)}
     kernel = triton.compile(ASTSource(fn=g._gemv_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
-    return {op: len(re.findall(re.escape(op), ptx)) for op in ("wgmma.mma_async", "cp.async", "ld.global.v4")}
+    ops = ("wgmma.mma_async", "cp.async", "ld.global.v4", "atom.global.gpu.acq_rel", "ld.global.cg", "bar.sync",
+           "div.rn.f32", "ex2.approx", "rsqrt.approx")
+    return {op: len(re.findall(re.escape(op), ptx)) for op in ops}
 
 reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
               "stride_ym": "i32", "num_splits": "i32", "BLOCK": "constexpr", "HAS_BIAS": "constexpr"}
 triton.compile(ASTSource(fn=g._sum_splits_kernel, signature=reduce_sig, constexprs={"BLOCK": 1024, "HAS_BIAS": True}),
                target=GPUTarget("cuda", 90, 32))
 print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
+                  "dot-two-launch": variant(True, True, True, False, 64, 128, one_launch=False),
                   "dot-masked": variant(True, False, False, True, 16, 16),
                   "fma": variant(False, True, True, False, 32, 256),
-                  "fma-masked": variant(False, False, False, True, 32, 256)}))
+                  "fma-masked": variant(False, False, False, True, 32, 256),
+                  "silu": variant(False, True, True, False, 32, 256, silu_mul=True),
+                  "norm": variant(False, True, False, True, 32, 256, rms_norm=True)}))
 """
 
 
@@ -210,6 +269,13 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> 
     # The dot path: wgmma fed by cp.async copies (Triton's software pipeline); the one-row path: 16-byte loads.
     assert ops["dot"]["wgmma.mma_async"] > 0 and ops["dot"]["cp.async"] > 0
     assert ops["fma"]["ld.global.v4"] > 0 and ops["fma"]["wgmma.mma_async"] == 0
+    # One launch: a barrier, then the acquire-release counter, then the partials read from L2; none in two launches.
+    for name in ("dot", "fma", "silu", "norm"):
+        assert ops[name]["bar.sync"] > 0 and ops[name]["atom.global.gpu.acq_rel"] > 0 and ops[name]["ld.global.cg"] > 0
+    assert ops["dot-two-launch"]["atom.global.gpu.acq_rel"] == 0
+    # The prologues: SiLU's IEEE division and exp, the norm's rsqrt (libdevice's, as torch's kernels call them).
+    assert ops["silu"]["div.rn.f32"] > 0 and ops["silu"]["ex2.approx"] > 0
+    assert ops["norm"]["rsqrt.approx"] > 0 and ops["fma"]["div.rn.f32"] == 0
 
 
 # ---------------------------------------------------------------------------------------- the heuristic
