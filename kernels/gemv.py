@@ -247,17 +247,18 @@ def _input_features(x_ptr, res_ptr, norm_w_ptr, offs, K, inv_rms, MASKED: tl.con
     # float32 input features `offs` of one batch row, as the layer before the GEMV rounds them to x's dtype.
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     if SILU_MUL:
-        # x_ptr: the row of [gate | up], 2K wide. silu(g) * u = g / (1 + exp(-g)) * u in float32 (PyTorch's
-        # CUDA silu formula, IEEE division, libdevice's exp), rounded once, as torch.compile's fused kernel rounds.
+        # x_ptr: the row of [gate | up], 2K wide. silu(g) * u = g / (1 + exp(-g)) * u in float32, rounded once:
+        # the code torch.compile generates for workers/layers/activation.py (its SiLU decomposition, libdevice's
+        # exp, Triton's float32 division), which keeps silu(g) in float32 for the multiply.
         g = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
         u = _load_features(x_ptr + K, offs, K, MASKED).to(tl.float32)
-        features = round_to(tl.div_rn(g, 1.0 + _exp(-g)) * u, dtype).to(tl.float32)
+        features = round_to(g / (1.0 + _exp(-g)) * u, dtype).to(tl.float32)
     elif RMS_NORM:
-        # workers/layers/norm.py's order: round(h * inv_rms), then round(weight * that).
+        # weight * (h * inv_rms) in float32, rounded once, as torch.compile's kernel of workers/layers/norm.py
+        # rounds it (eager torch rounds h * inv_rms first).
         h = _residual_sum(x_ptr, res_ptr, offs, K, MASKED, HAS_RESIDUAL).to(tl.float32)
-        normed = round_to(h * inv_rms, dtype).to(tl.float32)
         w = _load_features(norm_w_ptr, offs, K, MASKED).to(tl.float32)
-        features = round_to(w * normed, dtype).to(tl.float32)
+        features = round_to(w * (h * inv_rms), dtype).to(tl.float32)
     else:
         features = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
     return features
@@ -516,9 +517,11 @@ def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
     """`gemv(silu_and_mul(gate_up), weight, bias)` in one kernel: SwiGLU's gate computed as the GEMV loads it.
 
     Input feature k is `silu(gate[k]) * up[k] = gate[k] / (1 + exp(-gate[k])) * up[k]`, computed in float32 and
-    rounded once to the model dtype: what `workers/layers/activation.py`'s `silu_and_mul` gives compiled on a
-    GPU (torch.compile's fused kernel keeps the float32 silu for the multiply; eager torch rounds it to the model
-    dtype first, so on CPU the two can differ by one rounding in some features).
+    rounded once to the model dtype: what `workers/layers/activation.py`'s `silu_and_mul` gives compiled, as it
+    runs on a GPU (torch.compile keeps the float32 silu for the multiply, "eliding the downcast-upcast pair";
+    eager torch, the CPU path, rounds it to the model dtype first, so there the two differ by one rounding in a
+    quarter of the features). Checked against torch 2.13's inductor on CPU; on the GPU inductor's source gives
+    the same operations (tests/kernels/test_gemv_gpu.py compares them).
 
     Args:
         gate_up: `[M, 2K]` bfloat16 or float16, `[gate | up]` (MergedColumnParallelLinear's output), stride 1 in
@@ -550,12 +553,14 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
                       config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(gemv(rms_norm(h), weight, bias), h)` with `h = x + residual` (or x), in one kernel.
 
-    As `workers/layers/norm.py` computes it: h = x + residual rounded to the model dtype; then, in float32,
-    inv_rms = rsqrt(mean(h^2) + eps) (Zhang & Sennrich 2019), h * inv_rms rounded to the model dtype, times
-    norm_weight, rounded again; those are the GEMV's input features. Every program computes inv_rms from the
-    whole row itself; the row's first program writes h to a new tensor (never into x or residual, which other
-    programs are still reading). The mean square's summation order is the kernel's own, so a normalised
-    feature can differ from the unfused layer's by one rounding where inv_rms differs in its last bits.
+    As `workers/layers/norm.py`'s `add_rms_norm` computes it compiled (as it runs on a GPU): h = x + residual
+    rounded to the model dtype; then, in float32, inv_rms = rsqrt(mean(h^2) + eps) (Zhang & Sennrich 2019) and
+    feature k = norm_weight[k] * (h[k] * inv_rms), rounded once to the model dtype (torch.compile keeps the
+    float32 product; eager torch rounds h * inv_rms to the model dtype first, which changes a quarter of the
+    features by one rounding). Every program computes inv_rms from the whole row itself; the row's first program
+    writes h to a new tensor (never into x or residual, which other programs are still reading). The mean
+    square's summation order is the kernel's own, so a feature can differ from the unfused layer's by one
+    rounding where inv_rms differs in its last bits (about 1 in 100 features at K = 1024).
 
     Args:
         x: `[M, K]` bfloat16 or float16, stride 1 in its last dimension (the previous layer's output, or the
