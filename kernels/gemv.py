@@ -31,8 +31,7 @@ float32 throughout; the result is rounded once, to nearest even.
 The design follows the split-K GEMV kernels of the Triton community for decode (e.g. PyTorch's
 "Accelerating a Triton fused kernel for W4A16 quantized inference with SplitK work decomposition", Hoque,
 Wright et al. 2024), with a deterministic reduction in place of their atomic adds of partial sums: the
-"last block" pattern of CUDA's threadFenceReduction sample and of CUTLASS's serial split-K, where only an
-arrival counter is atomic.
+"last block" pattern of the CUDA samples' threadFenceReduction, where only an arrival counter is atomic.
 
 Split-K counters: one persistent int32 workspace per device (`_split_counters`), zeroed once when the first
 split-K call on that device allocates it (sized for the largest grid the heuristic can split, larger on demand),
@@ -41,7 +40,6 @@ device before the first capture (the model runner's warm-up forward does): alloc
 Split-K calls on one device must be ordered on one stream (kernels running concurrently on two streams would
 share the counters); a CUDA graph replays them in order like any other launches.
 """
-
 
 from __future__ import annotations
 
