@@ -1,6 +1,6 @@
 """Small-batch GEMV (`kernels/gemv.py`) against cuBLAS (`F.linear`) on the linear layers of Qwen3-0.6B and 8B.
 
-    python benchmarks/gemv.py [--batches 1 2 4 8 16] [--json FILE]
+    python benchmarks/gemv.py [--batches 1 2 4 8 16] [--json FILE] [--fused-only]
 
 For each weight shape (N outputs x K inputs, bf16) and batch M: the median microseconds of one call, and the
 weight bytes read per second (TB/s; the H200 copies at about 4.25). Timing mirrors a decode step under CUDA
@@ -13,6 +13,11 @@ At M = 1 the tensor-core path (`use_dot`) is timed too, next to the element-wise
 show whether that choice is right. The last lines add up one Qwen3-0.6B decode step's linear layers (28 x
 (qkv + o + gate_up + down) + the LM head) for each M, ours against cuBLAS, and name the largest M up to which
 ours wins at every batch: the value for DELTASERVE_GEMV_MAX_BATCH.
+
+Then, at M = 1 (`--fused-only`: these rows alone), what a decode step of one sequence runs since the fusions:
+each split layer's GEMV in one launch against the two-launch reduction, and each fused prologue (silu+down,
+norm+qkv, norm+gate_up) against the compiled layer (torch.compile, as the model runner runs it) followed by the
+GEMV; and the sum over one Qwen3-0.6B decoder layer times 28, unfused (11 launches a layer) against fused (4).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.envs import GEMV_MAX_BATCH_DEFAULT  # noqa: E402
-from kernels.gemv import choose_gemv_config, gemv  # noqa: E402
+from kernels.gemv import GemvConfig, add_rms_norm_gemv, choose_gemv_config, gemv, silu_and_mul_gemv  # noqa: E402
 
 DTYPE = torch.bfloat16
 L2_DEFEAT_BYTES = 256 << 20
@@ -83,12 +89,73 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+def fused_cases(layer: str, n: int, k: int, config: GemvConfig, device: torch.device, silu_and_mul: Callable,
+                add_rms_norm: Callable) -> list[tuple[str, str, Callable, Callable]]:
+    """(name, what the unfused function runs, unfused(weight), fused(weight)) for one layer at M = 1; unfused is
+    the code before the fusions (two launches where K is split)."""
+    eps = 1e-6
+    x = torch.randn(1, k, device=device, dtype=DTYPE)
+    two = dataclasses.replace(config, one_launch=False)
+    cases = [(f"{layer} split-K", "2 launches", lambda w: gemv(x, w, config=two), lambda w: gemv(x, w, config=config))]
+    if layer == "down":
+        gate_up = torch.randn(1, 2 * k, device=device, dtype=DTYPE)
+        cases.append(("silu+down", "silu_and_mul + 2-launch gemv", lambda w: gemv(silu_and_mul(gate_up), w, config=two),
+                      lambda w: silu_and_mul_gemv(gate_up, w)))
+    if layer in ("qkv", "gate_up"):
+        residual = torch.randn(1, k, device=device, dtype=DTYPE)
+        norm_weight = torch.rand(k, device=device, dtype=DTYPE) + 0.5
+        cases.append((f"norm+{layer}", "add_rms_norm + 2-launch gemv",
+                      lambda w: gemv(add_rms_norm(x, residual, norm_weight, eps)[0], w, config=two),
+                      lambda w: add_rms_norm_gemv(x, residual, norm_weight, eps, w)[0]))
+    return cases
+
+
+def fused_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> list[dict]:
+    """Time, at M = 1, each Qwen3-0.6B decoder layer's GEMV in one launch and in two, and each fused prologue
+    against the compiled layer + GEMV; print them and one decode step's 28 layers unfused and fused."""
+    from workers.layers.activation import silu_and_mul
+    from workers.layers.fused import enable_compilation
+    from workers.layers.norm import add_rms_norm
+
+    enable_compilation(True)  # the unfused layers as the model runner runs them: torch.compile'd
+    shapes = {layer: (n, k) for model, layer, n, k in SHAPES if model == "0.6B" and layer != "lm_head"}
+    print("\nQwen3-0.6B decode layers at M=1, us (median of CUDA-graph replays; fused: one kernel)")
+    print(f"{'layer':14} {'N x K':>13} {'unfused':>8} {'fused':>8} {'gain':>6}  unfused is")
+    rows: list[dict] = []
+    timings: dict[str, tuple[float, float]] = {}
+    for layer, (n, k) in shapes.items():
+        weight_bytes = n * k * DTYPE.itemsize
+        copies = max(1, min(args.calls, -(-L2_DEFEAT_BYTES // weight_bytes)))
+        weights = [torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
+        config = choose_gemv_config(1, n, k, num_sms)
+        cases = fused_cases(layer, n, k, config, device, silu_and_mul, add_rms_norm)
+        for name, unfused_is, unfused, fused in cases:
+            same = torch.equal(unfused(weights[0]), fused(weights[0]))
+            unfused_us = time_calls(unfused, weights, args.calls, args.reps)
+            fused_us = time_calls(fused, weights, args.calls, args.reps)
+            timings[name] = (unfused_us, fused_us)
+            rows.append(dict(model="0.6B", layer=name, n=n, k=k, m=1, kernel="fused", us=fused_us,
+                             unfused_us=unfused_us, unfused=unfused_is, same_bits=same, split_k=config.split_k))
+            print(f"{name:14} {n:>6}x{k:<6} {unfused_us:8.1f} {fused_us:8.1f} {unfused_us / fused_us:5.2f}x  "
+                  f"{unfused_is} (split_k {config.split_k}; {'same bits' if same else 'other bits'})")
+        del weights
+        torch.cuda.empty_cache()
+    enable_compilation(False)
+    # One decoder layer's GEMVs and the layers fused into them (attention and RoPE not included).
+    unfused = sum(timings[name][0] for name in ("norm+qkv", "o split-K", "norm+gate_up", "silu+down"))
+    fused = sum(timings[name][1] for name in ("norm+qkv", "o split-K", "norm+gate_up", "silu+down"))
+    print(f"28 layers x (norm+qkv, o, norm+gate_up, silu+down): unfused {28 * unfused:.1f} us, fused "
+          f"{28 * fused:.1f} us ({unfused / fused:.2f}x)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=40, help="calls per CUDA graph")
     parser.add_argument("--reps", type=int, default=15, help="graph replays timed per measurement")
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--fused-only", action="store_true", help="only the M = 1 rows of the fused decode layers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py needs a CUDA GPU")
@@ -102,6 +169,12 @@ def main() -> None:
     print(header)
     rows: list[dict] = []
     started = time.perf_counter()
+    if args.fused_only:
+        rows += fused_rows(args, device, num_sms)
+        print(f"({time.perf_counter() - started:.0f} s)")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     for model, layer, n, k in SHAPES:
         weight_bytes = n * k * DTYPE.itemsize
         copies = max(1, min(args.calls, -(-L2_DEFEAT_BYTES // weight_bytes)))
@@ -142,6 +215,7 @@ def main() -> None:
             best_max_batch = m
     print(f"largest M up to which ours wins at every batch measured: {best_max_batch} "
           f"(DELTASERVE_GEMV_MAX_BATCH; default {GEMV_MAX_BATCH_DEFAULT})")
+    rows += fused_rows(args, device, num_sms)
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

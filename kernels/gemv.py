@@ -15,8 +15,14 @@ programs that every SM keeps loads in flight:
   the left operand ("swap AB": its BLOCK_N rows fill the tensor-core tile's long side; sm90 compiles it to
   wgmma fed by a 3-stage cp.async pipeline), so the multiply costs nothing next to the load at any M up to 16.
 - With one split the program adds the bias, rounds to x's dtype and writes y. With several, each writes its
-  float32 partial sums to a `[split_k, M, N]` buffer and a second kernel adds them in split order, then the
-  bias: no atomics, so the same inputs give the same bits on every run.
+  float32 partial sums to a `[split_k, M, N]` buffer and then counts itself in an int32 counter of its output
+  tile (an atomic add with acquire-release semantics); the program that arrives last adds ALL the tile's
+  partials in split order 0, 1, 2, ..., then the bias, writes y and sets the counter back to 0. One launch, and
+  the bits never depend on which split finished when. (`GemvConfig.one_launch=False` runs the earlier design,
+  a second kernel that adds the partials in the same order: the same bits in two launches.)
+- On the element-wise path the layer before the GEMV can run inside it (`silu_and_mul_gemv`,
+  `add_rms_norm_gemv`): each program computes its input features from the layer's inputs as it loads them, so
+  a decode step of one sequence skips a launch and a round trip of the activations per fused layer.
 
 The launch configuration comes from the shapes alone (`choose_gemv_config`, documented there), never from
 timing runs, and no tensor value is read on the host: a call can be captured in a CUDA graph. Accumulation is
@@ -24,17 +30,27 @@ float32 throughout; the result is rounded once, to nearest even.
 
 The design follows the split-K GEMV kernels of the Triton community for decode (e.g. PyTorch's
 "Accelerating a Triton fused kernel for W4A16 quantized inference with SplitK work decomposition", Hoque,
-Wright et al. 2024), with a deterministic reduction in place of their atomic adds.
+Wright et al. 2024), with a deterministic reduction in place of their atomic adds of partial sums: the
+"last block" pattern of the CUDA samples' threadFenceReduction, where only an arrival counter is atomic.
+
+Split-K counters: one persistent int32 workspace per device (`_split_counters`), zeroed once when the first
+split-K call on that device allocates it (sized for the largest grid the heuristic can split, larger on demand),
+and left zeroed by every launch. A caller that captures CUDA graphs must make one eager split-K call on each
+device before the first capture (the model runner's warm-up forward does): allocating inside a capture raises.
+Split-K calls on one device must be ordered on one stream (kernels running concurrently on two streams would
+share the counters); a CUDA graph replays them in order like any other launches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels.rounding import round_to
 
@@ -66,6 +82,9 @@ class GemvConfig:
         `ceil(K / k_per_split)` of them, `k_per_split` a multiple of block_k, so it may run fewer).
     use_dot: the batch goes through `tl.dot` in tiles of 16 rows; otherwise one row per program, element-wise.
     num_warps, num_stages: Triton's launch options.
+    one_launch: with several splits, the last split program of each output tile to finish adds the tile's
+        partials (one launch); False: a second kernel adds them (two launches, kept for comparison). The same
+        bits either way.
     """
 
     block_n: int
@@ -74,6 +93,7 @@ class GemvConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    one_launch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -138,32 +158,155 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# One persistent counter workspace per device (see the module docstring). Workspaces replaced by a larger one stay
+# alive: CUDA graphs captured with them still point at them, and each is left all zeros by every launch.
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's split-K arrival counters, int32 zeros, at least `tiles` of them.
+
+    Raises:
+        RuntimeError: they must be allocated (first split-K call on the device, or a grid larger than any before)
+            while the current stream is capturing a CUDA graph.
+    """
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gemv's split-K counters on {device} must be allocated before a CUDA graph capture: "
+                               f"make one eager split-K gemv call on this device first ({tiles} output tiles)")
+        if counters is not None:
+            _retired_counters.append(counters)
+        # Every grid the heuristic splits has fewer tiles than this (it splits only below that many programs).
+        size = max(tiles, _TARGET_PROGRAMS_PER_SM * _num_sms(device))
+        counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
+# CUDA's expf and rsqrtf (libdevice), what eager torch and torch.compile's kernels call on the GPU. The interpreter
+# has no libdevice: there tl's own functions are numpy's float32 exp and 1/sqrt.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def _exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _rsqrt(x):
+        return tl.rsqrt(x)
+else:
+    @triton.jit
+    def _exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _rsqrt(x):
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def _load_features(ptr, offs, K, MASKED: tl.constexpr):
+    if MASKED:
+        values = tl.load(ptr + offs, mask=offs < K, other=0.0)
+    else:
+        values = tl.load(ptr + offs)
+    return values
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs, K, MASKED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # h = x + residual rounded to x's dtype, as torch adds two 16-bit tensors; x itself without a residual.
+    h = _load_features(x_ptr, offs, K, MASKED)
+    if HAS_RESIDUAL:
+        r = _load_features(res_ptr, offs, K, MASKED)
+        h = round_to(h.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _inverse_rms(x_ptr, res_ptr, h_ptr, K, eps, h_stored, BLOCK_K: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    # rsqrt(mean(h^2) + eps) over the whole row of h, in float32; its first `h_stored` features (K or 0) are
+    # stored to h_ptr too.
+    cols = tl.arange(0, BLOCK_K)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        h = _residual_sum(x_ptr, res_ptr, k + cols, K, MASKED, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(h_ptr + k + cols, h, mask=k + cols < h_stored)
+        h32 = h.to(tl.float32)
+        squares += h32 * h32
+    return _rsqrt(tl.div_rn(tl.sum(squares, axis=0), K.to(tl.float32)) + eps)
+
+
+@triton.jit
+def _input_features(x_ptr, res_ptr, norm_w_ptr, offs, K, inv_rms, MASKED: tl.constexpr, SILU_MUL: tl.constexpr,
+                    RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # float32 input features `offs` of one batch row, as the layer before the GEMV rounds them to x's dtype.
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if SILU_MUL:
+        # x_ptr: the row of [gate | up], 2K wide. silu(g) * u = g / (1 + exp(-g)) * u in float32, rounded once:
+        # the code torch.compile generates for workers/layers/activation.py (its SiLU decomposition, libdevice's
+        # exp, Triton's float32 division), which keeps silu(g) in float32 for the multiply.
+        g = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
+        u = _load_features(x_ptr + K, offs, K, MASKED).to(tl.float32)
+        features = round_to(g / (1.0 + _exp(-g)) * u, dtype).to(tl.float32)
+    elif RMS_NORM:
+        # weight * (h * inv_rms) in float32, rounded once, as torch.compile's kernel of workers/layers/norm.py
+        # rounds it (eager torch rounds h * inv_rms first).
+        h = _residual_sum(x_ptr, res_ptr, offs, K, MASKED, HAS_RESIDUAL).to(tl.float32)
+        w = _load_features(norm_w_ptr, offs, K, MASKED).to(tl.float32)
+        features = round_to(w * (h * inv_rms), dtype).to(tl.float32)
+    else:
+        features = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
+    return features
+
+
+@triton.jit
+def _add_bias_and_store(acc, bias_ptr, y_ptr, rows, batch, N, stride_ym, mask, HAS_BIAS: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_M] float32: y[batch, rows] = round(acc + bias).
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + batch[None, :].to(tl.int64) * stride_ym + rows[:, None]
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
+
+
 # The batch size M varies from step to step: specializing on it (Triton compiles separate variants for 1,
 # multiples of 16 and the rest) would compile a new variant in the middle of a run.
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "eps"])
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     y_ptr,
     partial_ptr,
+    counter_ptr,
+    res_ptr,
+    norm_w_ptr,
+    h_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_ym,
     k_per_split,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr,
     EVEN_K: tl.constexpr,
     WIDEN_DOT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     # Program (n, s, m): W rows [n*BLOCK_N, ...), K columns [s*k_per_split, ...), batch rows [m*BLOCK_M, ...).
     # k_per_split is a multiple of BLOCK_K, so only the last split's last tile can run past K.
+    tl.static_assert(not (USE_DOT and (SILU_MUL or RMS_NORM)), "the fused prologues run on the element-wise path")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -195,29 +338,49 @@ def _gemv_kernel(
     else:
         # One batch row per program (BLOCK_M == 1), as a [1, BLOCK_N] tile so both paths store alike.
         batch = pid_m + tl.arange(0, 1)
-        x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + k_start + cols
+        row = pid_m.to(tl.int64)
+        x_row = x_ptr + row * stride_xm
+        res_row = res_ptr + row * K
+        inv_rms = 0.0
+        if RMS_NORM:
+            # Every program reads the whole row (K 16-bit values, from L2 after the first); the program of the
+            # first tile and split writes h, into a buffer no program reads.
+            h_stored = tl.where((pid_n == 0) & (pid_s == 0), K, 0)
+            inv_rms = _inverse_rms(x_row, res_row, h_ptr + row * K, K, eps, h_stored, BLOCK_K, not EVEN_K,
+                                   HAS_RESIDUAL)
         acc1d = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=(k + cols)[None, :] < K, other=0.0)
-                x = tl.load(x_ptrs, mask=k + cols < K, other=0.0)
-            acc1d += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            x = _input_features(x_row, res_row, norm_w_ptr, k + cols, K, inv_rms, not EVEN_K, SILU_MUL, RMS_NORM,
+                                HAS_RESIDUAL)
+            acc1d += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
         acc = acc1d[:, None]
     # acc[i, j] = the sum over this split's K columns of W[rows[i], k] * x[batch[j], k]
     mask = (rows < N)[:, None] & (batch < M)[None, :]
     if SPLIT:
         partial_ptrs = partial_ptr + (pid_s * M + batch[None, :]).to(tl.int64) * N + rows[:, None]
         tl.store(partial_ptrs, acc, mask=mask)
+        if ONE_LAUNCH:
+            num_splits = tl.num_programs(1)
+            counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+            # All of this program's partial is stored before its one thread's release of the counter.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                # Every split's partial is visible (acquire); .cg reads them from L2, past this SM's L1.
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(0, num_splits):
+                    total += tl.load(partial_ptr + (s * M + batch[None, :]).to(tl.int64) * N + rows[:, None],
+                                     mask=mask, other=0.0, cache_modifier=".cg")
+                _add_bias_and_store(total, bias_ptr, y_ptr, rows, batch, N, stride_ym, mask, HAS_BIAS)
+                # No other program of this launch touches the counter again: the next launch finds it 0.
+                tl.store(counter, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + batch[None, :].to(tl.int64) * stride_ym + rows[:, None]
-        tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
+        _add_bias_and_store(acc, bias_ptr, y_ptr, rows, batch, N, stride_ym, mask, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
@@ -235,12 +398,14 @@ def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, M, N, stride_ym, num_splits
     tl.store(y_ptr + row * stride_ym + cols, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_features: int | None = None) -> None:
+    # x_features: the input features x must have (default: weight's K).
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x has {x.shape[1]} input features but weight {tuple(weight.shape)} has {weight.shape[1]}")
+    if x.shape[1] != (weight.shape[1] if x_features is None else x_features):
+        raise ValueError(f"x has {x.shape[1]} input features but weight {tuple(weight.shape)} has {weight.shape[1]}"
+                         + ("" if x_features is None else f" (x must have {x_features})"))
     if weight.dtype not in GEMV_DTYPES:
         raise ValueError(f"weight dtype {weight.dtype} must be one of {GEMV_DTYPES}")
     if x.dtype != weight.dtype:
@@ -259,6 +424,47 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             raise ValueError("bias must be contiguous")
 
 
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+            config: GemvConfig, *, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            h: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> None:
+    """Run the kernel(s) into y `[M, N]` (M, N, K >= 1; inputs checked)."""
+    m, n = y.shape
+    k = weight.shape[1]
+    interpreted = x.device.type == "cpu"
+    block_m = _DOT_BLOCK_M if config.use_dot else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k) * config.block_k
+    num_splits = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, config.block_n), num_splits, triton.cdiv(m, block_m))
+    one_launch = num_splits > 1 and config.one_launch
+    partial = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if num_splits > 1 else y
+    counters = _split_counters(x.device, grid[0] * grid[2]) if one_launch else y
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else y, y, partial, counters,
+        residual if residual is not None else y, norm_weight if norm_weight is not None else y,
+        h if h is not None else y,
+        m, n, k, x.stride(0), y.stride(0), k_per_split, eps,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
+        HAS_BIAS=bias is not None, SPLIT=num_splits > 1, ONE_LAUNCH=one_launch, EVEN_K=k % config.block_k == 0,
+        WIDEN_DOT=interpreted, SILU_MUL=silu_mul, RMS_NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1 and not one_launch:
+        _sum_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+            partial, bias if bias is not None else y, y, m, n, y.stride(0), num_splits,
+            BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias is not None,
+        )
+
+
+def _default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    # CPU tensors run under the Triton interpreter, whose tl.dot misreads bfloat16 operands (it multiplies
+    # their bits as integers): there the tiles are widened to float32 first (WIDEN_DOT), which gives the same
+    # exact products and float32 sums as the tensor cores.
+    if device.type == "cpu":
+        return _interpreter_config(m, n, k)
+    return choose_gemv_config(m, n, k, _num_sms(device))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          config: GemvConfig | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` (`torch.nn.functional.linear`) for a small batch, reading the weight once.
@@ -273,12 +479,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     Returns:
         y `[M, N]`, a new contiguous tensor in x's dtype: float32 products and sums, rounded once to nearest
-        even. The same inputs and config give bit-identical output on every call (no atomics).
+        even. The same inputs and config give bit-identical output on every call (no atomic adds of values).
 
     Raises:
         ValueError: x or weight not 2-D, mismatched K, a dtype other than bfloat16/float16 or x's and
             weight's dtypes differing, a weight that is not contiguous, x's last stride not 1, tensors on
             different devices, or a bias not `[N]` contiguous in that dtype.
+        RuntimeError: the first split-K call on a device made inside a CUDA graph capture (see the module
+            docstring: the split-K counters are allocated by an eager call).
 
     Reads no tensor value on the host and synchronises nothing, so it can be captured in a CUDA graph.
     """
@@ -290,27 +498,103 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    # CPU tensors run under the Triton interpreter, whose tl.dot misreads bfloat16 operands (it multiplies
-    # their bits as integers): there the tiles are widened to float32 first, which gives the same exact
-    # products and float32 sums as the tensor cores.
-    interpreted = x.device.type == "cpu"
-    if config is None:
-        config = _interpreter_config(m, n, k) if interpreted else choose_gemv_config(m, n, k, _num_sms(x.device))
-    block_m = _DOT_BLOCK_M if config.use_dot else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k) * config.block_k
-    num_splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if num_splits > 1 else y
-    grid = (triton.cdiv(n, config.block_n), num_splits, triton.cdiv(m, block_m))
-    _gemv_kernel[grid](
-        x, weight, bias if bias is not None else y, y, partial, m, n, k, x.stride(0), y.stride(0), k_per_split,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
-        HAS_BIAS=bias is not None, SPLIT=num_splits > 1, EVEN_K=k % config.block_k == 0,
-        WIDEN_DOT=interpreted,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if num_splits > 1:
-        _sum_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-            partial, bias if bias is not None else y, y, m, n, y.stride(0), num_splits,
-            BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias is not None,
-        )
+    _launch(x, weight, bias, y, config or _default_config(m, n, k, x.device))
     return y
+
+
+def _prologue_config(config: GemvConfig | None, n: int, k: int, device: torch.device) -> GemvConfig:
+    # The fused prologues run one batch row per program: the configuration of M = 1, whatever M is.
+    config = config or _default_config(1, n, k, device)
+    if config.use_dot:
+        raise ValueError("the fused prologues run on the element-wise path: config.use_dot must be False")
+    return config
+
+
+def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      config: GemvConfig | None = None) -> torch.Tensor:
+    """`gemv(silu_and_mul(gate_up), weight, bias)` in one kernel: SwiGLU's gate computed as the GEMV loads it.
+
+    Input feature k is `silu(gate[k]) * up[k] = gate[k] / (1 + exp(-gate[k])) * up[k]`, computed in float32 and
+    rounded once to the model dtype: what `workers/layers/activation.py`'s `silu_and_mul` gives compiled, as it
+    runs on a GPU (torch.compile keeps the float32 silu for the multiply, "eliding the downcast-upcast pair";
+    eager torch, the CPU path, rounds it to the model dtype first, so there the two differ by one rounding in a
+    quarter of the features). Checked against torch 2.13's inductor on CPU; on the GPU inductor's source gives
+    the same operations (tests/kernels/test_gemv_gpu.py compares them).
+
+    Args:
+        gate_up: `[M, 2K]` bfloat16 or float16, `[gate | up]` (MergedColumnParallelLinear's output), stride 1 in
+            its last dimension. One program per batch row: meant for M = 1.
+        weight: `[N, K]` in gate_up's dtype, contiguous. bias: `[N]` or None.
+        config: an element-wise launch configuration (`use_dot=False`); None: M = 1's (`choose_gemv_config`).
+
+    Returns:
+        y `[M, N]` in gate_up's dtype: float32 products and sums rounded once, the same bits on every call.
+
+    Raises:
+        ValueError: as `gemv` (with gate_up 2K wide), or a configuration with `use_dot`.
+        RuntimeError: as `gemv`.
+    """
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    _check(gate_up, weight, bias, x_features=2 * k)
+    m = gate_up.shape[0]
+    y = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
+    _launch(gate_up, weight, bias, y, _prologue_config(config, n, k, gate_up.device), silu_mul=True)
+    return y
+
+
+def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(gemv(rms_norm(h), weight, bias), h)` with `h = x + residual` (or x), in one kernel.
+
+    As `workers/layers/norm.py`'s `add_rms_norm` computes it compiled (as it runs on a GPU): h = x + residual
+    rounded to the model dtype; then, in float32, inv_rms = rsqrt(mean(h^2) + eps) (Zhang & Sennrich 2019) and
+    feature k = norm_weight[k] * (h[k] * inv_rms), rounded once to the model dtype (torch.compile keeps the
+    float32 product; eager torch rounds h * inv_rms to the model dtype first, which changes a quarter of the
+    features by one rounding). Every program computes inv_rms from the whole row itself; the row's first program
+    writes h to a new tensor (never into x or residual, which other programs are still reading). The mean
+    square's summation order is the kernel's own, so a feature can differ from the unfused layer's by one
+    rounding where inv_rms differs in its last bits (about 1 in 100 features at K = 1024).
+
+    Args:
+        x: `[M, K]` bfloat16 or float16, stride 1 in its last dimension (the previous layer's output, or the
+            embeddings). One program per batch row: meant for M = 1.
+        residual: `[M, K]` contiguous in x's dtype, or None (the first layer: h is x).
+        norm_weight: `[K]` contiguous in x's dtype. eps: added to the mean square.
+        weight: `[N, K]` in x's dtype, contiguous. bias: `[N]` or None.
+        config: an element-wise launch configuration (`use_dot=False`); None: M = 1's (`choose_gemv_config`).
+
+    Returns:
+        (y `[M, N]`, h `[M, K]`) in x's dtype; h is x itself when residual is None, else a new contiguous tensor.
+
+    Raises:
+        ValueError: as `gemv`, a residual or norm_weight of another shape, dtype, device or layout, or a
+            configuration with `use_dot`.
+        RuntimeError: as `gemv`.
+    """
+    _check(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} on {residual.device} must be "
+                         f"contiguous {x.dtype} {tuple(x.shape)} on {x.device}")
+    if (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device
+            or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight {norm_weight.dtype} {tuple(norm_weight.shape)} on {norm_weight.device} must "
+                         f"be contiguous {x.dtype} ({k},) on {x.device}")
+    if k == 0:
+        raise ValueError("add_rms_norm_gemv needs at least one input feature (K >= 1)")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y, h
+    if n == 0:  # no program runs to write h
+        return y, x + residual if residual is not None else x
+    _launch(x, weight, bias, y, _prologue_config(config, n, k, x.device), residual=residual,
+            norm_weight=norm_weight, h=h, eps=eps)
+    return y, h

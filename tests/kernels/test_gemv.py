@@ -9,6 +9,8 @@ picks are run here explicitly (`choose_gemv_config`), since CPU tensors get the 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +23,13 @@ import torch
 pytest.importorskip("triton")
 
 import kernels.gemv as gemv_module  # noqa: E402
-from kernels.gemv import GemvConfig, choose_gemv_config, gemv  # noqa: E402
+from kernels.gemv import (  # noqa: E402
+    GemvConfig,
+    add_rms_norm_gemv,
+    choose_gemv_config,
+    gemv,
+    silu_and_mul_gemv,
+)
 
 DTYPES = [torch.bfloat16, torch.float16]
 DTYPE_IDS = ["bf16", "fp16"]
@@ -105,6 +113,56 @@ def test_gemv_gives_the_same_bits_on_a_second_call(m: int) -> None:
     assert torch.equal(first, second)
 
 
+SPLIT_CONFIGS = [
+    GemvConfig(block_n=32, block_k=32, split_k=7, use_dot=False),
+    GemvConfig(block_n=16, block_k=64, split_k=3, use_dot=False),
+    GemvConfig(block_n=16, block_k=16, split_k=5, use_dot=True),
+]
+SPLIT_IDS = ["fma-split7", "fma-split3", "dot-split5"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=SPLIT_IDS)
+def test_one_launch_split_k_gives_the_bits_of_the_two_launch_sum(dtype: torch.dtype, m: int,
+                                                                 config: GemvConfig) -> None:
+    """The last split to arrive adds every split's partial in split order, as the second kernel does."""
+    x, weight, bias = make_inputs(m, 90, 150, dtype, True, seed=m)
+
+    one = gemv(x, weight, bias, config=config)
+    two = gemv(x, weight, bias, config=dataclasses.replace(config, one_launch=False))
+
+    assert torch.equal(one, two)
+    assert_rounded_float32_sum(one, x, weight, bias)
+
+
+def test_one_launch_split_k_leaves_its_counters_zero_so_every_call_gives_the_same_bits() -> None:
+    """As a CUDA graph replays it: the same launch again and again, each finding the counters as the last left them."""
+    x, weight, bias = make_inputs(1, 257, 520, torch.bfloat16, True, seed=5)
+    config = choose_gemv_config(1, 257, 520, num_sms=132)
+    assert config.split_k > 1 and config.one_launch
+
+    results = [gemv(x, weight, bias, config=config) for _ in range(4)]
+
+    assert all(torch.equal(results[0], y) for y in results[1:])
+    assert not gemv_module._counters[x.device].any()
+
+
+def test_a_split_grid_larger_than_the_counters_gets_a_larger_workspace_and_the_old_one_stays_alive() -> None:
+    """A graph captured with the smaller workspace still points at it, so it must never be freed."""
+    x, weight, bias = make_inputs(1, 40, 64, torch.float16, True, seed=2)
+    gemv(x, weight, bias, config=GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=False))
+    small = gemv_module._counters[x.device]
+    tiles = small.numel() + 1  # one W row per tile
+    x, weight, bias = make_inputs(1, tiles * 16, 32, torch.float16, True, seed=3)
+
+    y = gemv(x, weight, bias, config=GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=False))
+
+    assert gemv_module._counters[x.device].numel() == tiles
+    assert any(old is small for old in gemv_module._retired_counters)
+    assert_rounded_float32_sum(y, x, weight, bias)
+
+
 def test_gemv_rounds_to_nearest_even_like_the_gpu() -> None:
     """1 + 2^-8 + 2^-9 lies past the midpoint of two bfloat16 neighbours (1 and 1 + 2^-7): truncation, what the
     interpreter's own float32 -> bfloat16 cast does, would give 1."""
@@ -174,27 +232,35 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.gemv as g
 
-def variant(use_dot, split, even_k, has_bias, block_n, block_k):
+def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False):
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-           "partial_ptr": "*fp32" if split else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "k_per_split": "i32"}
+           "partial_ptr": "*fp32" if split else "*bf16", "counter_ptr": "*i32" if split and one_launch else "*bf16",
+           "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "h_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "k_per_split": "i32",
+           "eps": "fp32"}
     constexprs = {"BLOCK_M": 16 if use_dot else 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot,
-                  "HAS_BIAS": has_bias, "SPLIT": split, "EVEN_K": even_k, "WIDEN_DOT": False}
+                  "HAS_BIAS": has_bias, "SPLIT": split, "ONE_LAUNCH": split and one_launch, "EVEN_K": even_k,
+                  "WIDEN_DOT": False, "SILU_MUL": silu_mul, "RMS_NORM": rms_norm, "HAS_RESIDUAL": rms_norm}
     sig.update({name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8, 10)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 14)}
     kernel = triton.compile(ASTSource(fn=g._gemv_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
-    return {op: len(re.findall(re.escape(op), ptx)) for op in ("wgmma.mma_async", "cp.async", "ld.global.v4")}
+    ops = ("wgmma.mma_async", "cp.async", "ld.global.v4", "atom.global.gpu.acq_rel", "ld.global.cg", "bar.sync",
+           "div.rn.f32", "div.full.f32", "ex2.approx", "rsqrt.approx")
+    return {op: len(re.findall(re.escape(op), ptx)) for op in ops}
 
 reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
               "stride_ym": "i32", "num_splits": "i32", "BLOCK": "constexpr", "HAS_BIAS": "constexpr"}
 triton.compile(ASTSource(fn=g._sum_splits_kernel, signature=reduce_sig, constexprs={"BLOCK": 1024, "HAS_BIAS": True}),
                target=GPUTarget("cuda", 90, 32))
 print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
+                  "dot-two-launch": variant(True, True, True, False, 64, 128, one_launch=False),
                   "dot-masked": variant(True, False, False, True, 16, 16),
                   "fma": variant(False, True, True, False, 32, 256),
-                  "fma-masked": variant(False, False, False, True, 32, 256)}))
+                  "fma-masked": variant(False, False, False, True, 32, 256),
+                  "silu": variant(False, True, True, False, 32, 256, silu_mul=True),
+                  "norm": variant(False, True, False, True, 32, 256, rms_norm=True)}))
 """
 
 
@@ -210,6 +276,148 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> 
     # The dot path: wgmma fed by cp.async copies (Triton's software pipeline); the one-row path: 16-byte loads.
     assert ops["dot"]["wgmma.mma_async"] > 0 and ops["dot"]["cp.async"] > 0
     assert ops["fma"]["ld.global.v4"] > 0 and ops["fma"]["wgmma.mma_async"] == 0
+    # One launch: a barrier, then the acquire-release counter, then the partials read from L2; none in two launches.
+    for name in ("dot", "fma", "silu", "norm"):
+        assert ops[name]["bar.sync"] > 0 and ops[name]["atom.global.gpu.acq_rel"] > 0 and ops[name]["ld.global.cg"] > 0
+    assert ops["dot-two-launch"]["atom.global.gpu.acq_rel"] == 0
+    # The prologues: SiLU's division and exp as torch.compile's kernel has them, the norm's rsqrt and mean.
+    assert ops["silu"]["div.full.f32"] > 0 and ops["silu"]["ex2.approx"] > 0
+    assert ops["norm"]["rsqrt.approx"] > 0 and ops["norm"]["div.rn.f32"] > 0 and ops["fma"]["div.full.f32"] == 0
+
+
+# ---------------------------------------------------------------------------------------- fused prologues
+# Through an identity weight (W = I, K x K) the GEMV's output is its input features exactly (one exact product per
+# output, rounded to a value already in the dtype), so these tests see the prologue's values themselves.
+
+PROLOGUE_CONFIGS = [None, GemvConfig(block_n=32, block_k=256, split_k=3, use_dot=False),
+                    GemvConfig(block_n=64, block_k=64, split_k=5, use_dot=False)]
+PROLOGUE_IDS = ["interpreter", "gpu-like", "split5"]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values lie between a and b (16-bit floats of one sign, as in these tests; -0 is 0)."""
+    return ((a + 0.0).view(torch.int16).int() - (b + 0.0).view(torch.int16).int()).abs()
+
+
+def silu_mul_rounded_once(gate_up: torch.Tensor) -> torch.Tensor:
+    """The compiled `silu_and_mul` (torch.compile on a GPU, and inductor on CPU: checked with torch 2.13):
+    gate / (1 + exp(-gate)) * up in float32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (gate / (1 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def rms_norm_rounded_once(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The compiled `rms_norm` of h: weight * (h * rsqrt(mean(h^2) + eps)) in float32, rounded once."""
+    h32 = h.float()
+    return (weight.float() * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(100) in float32 is inf, as on the GPU
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k", [300, 520])
+def test_the_silu_prologue_is_silu_times_up_in_float32_rounded_once(dtype: torch.dtype, k: int) -> None:
+    """K = 300 and 520 are no multiple of the 256-wide block; large |gate| saturates exp (silu(-100) = -0)."""
+    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+
+    features = silu_and_mul_gemv(gate_up, torch.eye(k, dtype=dtype))
+
+    assert torch.equal(features, silu_mul_rounded_once(gate_up))
+    # Eager torch (the CPU layer) rounds silu(gate) first: at most one representable value away.
+    from workers.layers.activation import silu_and_mul
+    assert ulps_apart(features, silu_and_mul(gate_up)).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize(("n", "k"), [(100, 300), (257, 520)])
+def test_silu_and_mul_gemv_is_the_gemv_of_the_rounded_silu_product(dtype: torch.dtype, config: GemvConfig | None,
+                                                                   n: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(n + k)
+    gate_up = torch.randn(1, 2 * k, generator=generator).to(dtype)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    features = silu_mul_rounded_once(gate_up)
+
+    y = silu_and_mul_gemv(gate_up, weight, bias, config=config)
+
+    assert torch.equal(y, gemv(features, weight, bias, config=config))
+    assert_rounded_float32_sum(y, features, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+def test_the_norm_prologue_is_the_rounded_rms_norm_of_the_rounded_residual_sum(
+        dtype: torch.dtype, config: GemvConfig | None, with_residual: bool) -> None:
+    k, eps = 300, 1e-6
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=generator).to(dtype)
+    residual = torch.randn(1, k, generator=generator).to(dtype) if with_residual else None
+    norm_weight = (torch.rand(k, generator=generator) + 0.5).to(dtype)
+
+    features, h = add_rms_norm_gemv(x, residual, norm_weight, eps, torch.eye(k, dtype=dtype), config=config)
+
+    if with_residual:
+        assert torch.equal(h, x + residual) and h.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+        assert torch.equal(residual, residual.clone()) and h.is_contiguous()
+    else:
+        assert h is x
+    # inv_rms is summed in the kernel's own order: a feature may round the other way where it differs in its
+    # last float32 bits; none did on these inputs.
+    expected = rms_norm_rounded_once(h, norm_weight, eps)
+    assert torch.equal(features, expected)
+    from workers.layers.norm import rms_norm  # eager: rounds h * inv_rms first
+    assert ulps_apart(features, rms_norm(h, norm_weight, eps)).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize(("n", "k"), [(100, 300), (257, 520)])
+def test_add_rms_norm_gemv_is_the_gemv_of_the_norm_and_returns_the_new_residual(
+        dtype: torch.dtype, config: GemvConfig | None, n: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(n * k)
+    x, residual = (torch.randn(1, k, generator=generator).to(dtype) for _ in range(2))
+    norm_weight = (torch.rand(k, generator=generator) + 0.5).to(dtype)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+
+    y, h = add_rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, bias, config=config)
+
+    features = rms_norm_rounded_once(x + residual, norm_weight, 1e-6)
+    assert torch.equal(h, x + residual)
+    assert torch.equal(y, gemv(features, weight, bias, config=config))
+
+
+def test_the_fused_gemvs_give_the_same_bits_on_every_call_with_split_k() -> None:
+    generator = torch.Generator().manual_seed(1)
+    gate_up, x, residual = (torch.randn(1, 2 * 520, generator=generator).bfloat16(),
+                            torch.randn(1, 520, generator=generator).bfloat16(),
+                            torch.randn(1, 520, generator=generator).bfloat16())
+    weight, norm_weight = torch.randn(257, 520, generator=generator).bfloat16(), torch.ones(520).bfloat16()
+    config = choose_gemv_config(1, 257, 520, num_sms=132)
+    assert config.split_k > 1
+
+    silu_runs = [silu_and_mul_gemv(gate_up, weight, config=config) for _ in range(3)]
+    norm_runs = [add_rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, config=config) for _ in range(3)]
+
+    assert all(torch.equal(silu_runs[0], y) for y in silu_runs[1:])
+    assert all(torch.equal(norm_runs[0][0], y) and torch.equal(norm_runs[0][1], h) for y, h in norm_runs[1:])
+
+
+def test_the_fused_gemvs_refuse_bad_inputs() -> None:
+    x, weight = torch.randn(1, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"x has 8 input features .*x must have 16"):
+        silu_and_mul_gemv(x, weight)
+    with pytest.raises(ValueError, match="use_dot must be False"):
+        silu_and_mul_gemv(torch.randn(1, 16).bfloat16(), weight,
+                          config=GemvConfig(block_n=16, block_k=16, split_k=1, use_dot=True))
+    with pytest.raises(ValueError, match="residual torch.float16"):
+        add_rms_norm_gemv(x, x.half(), torch.ones(8).bfloat16(), 1e-6, weight)
+    with pytest.raises(ValueError, match=r"norm_weight torch.float32 \(8,\)"):
+        add_rms_norm_gemv(x, x, torch.ones(8), 1e-6, weight)
+    with pytest.raises(ValueError, match=r"norm_weight torch.bfloat16 \(6,\)"):
+        add_rms_norm_gemv(x, x, torch.ones(6).bfloat16(), 1e-6, weight)
 
 
 # ---------------------------------------------------------------------------------------- the heuristic
@@ -344,6 +552,67 @@ def test_a_model_decodes_with_gemv_as_with_cublas(tiny_models: dict[str, Path], 
     # Every decode step: qkv, o, gate_up and down of both layers, then the LM head; the prefill's LM head (3 rows).
     assert len(calls) == 1 + 3 * (4 * 2 + 1) and ref_calls == []
     assert all(shape[0] == 3 for shape in calls)
+    assert tokens == ref_tokens
+    for out, ref in zip(logits, ref_logits):
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def run_one_sequence(model: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+                     ) -> tuple[list[list[int]], list[torch.Tensor], list[str]]:
+    """Prefill one 9-token prompt, then decode it for 3 steps (batch 1) through a CPU ModelRunner in bfloat16, with
+    the fused kernels forced on (`fused`) or the plain CPU path. Returns (tokens per step, logits per step, the
+    name of every GEMV kernel function called)."""
+    from common.config import EngineConfig
+    from common.protocol import NewRequest, StepPlan, i32
+    from tests.conftest import synthetic_prompt
+    from workers.layers.fused import force_fused_kernels
+    from workers.model_runner import ModelRunner
+
+    monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "1")
+    cfg = EngineConfig(model=str(model), device="cpu", dtype="bfloat16", block_size=16, max_model_len=128,
+                       max_num_seqs=4).resolve()
+    runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+    runner.allocate_kv_cache(4)
+    prompt = synthetic_prompt(9, seed=9)
+    plans = [StepPlan(0, new_requests=[NewRequest(0, i32(prompt), 0.0, None, i32([0]), 0, len(prompt))])]
+    plans += [StepPlan(s, decode_seq_ids=i32([0])) for s in range(1, 4)]
+    logits: list[torch.Tensor] = []
+    compute_logits = runner.model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        logits.append(compute_logits(hidden))
+        return logits[-1]
+
+    calls: list[str] = []
+
+    def counted(name: str) -> object:
+        kernel = getattr(gemv_module, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append(name)
+            return kernel(*args, **kwargs)
+        return call
+
+    for name in ("gemv", "silu_and_mul_gemv", "add_rms_norm_gemv"):
+        monkeypatch.setattr(gemv_module, name, counted(name))
+    monkeypatch.setattr(runner.model, "compute_logits", recorded)
+    with force_fused_kernels() if fused else contextlib.nullcontext():
+        tokens = [runner.finalize(runner.execute(plan)).tolist() for plan in plans]
+    return tokens, logits, calls
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama-bias"])
+def test_a_decode_step_of_one_sequence_runs_the_norms_and_silu_inside_the_gemvs(tiny_models: dict[str, Path],
+                                                                                 arch: str) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        tokens, logits, calls = run_one_sequence(tiny_models[arch], True, mp)
+    with pytest.MonkeyPatch.context() as mp:
+        ref_tokens, ref_logits, ref_calls = run_one_sequence(tiny_models[arch], False, mp)
+
+    # Each decode step, each of the 2 layers: norm+qkv, o, norm+gate_up, silu+down; then the LM head. The prefill
+    # (9 rows) runs the unfused layers with cuBLAS, and its LM head (1 row) the GEMV.
+    layer = ["add_rms_norm_gemv", "gemv", "add_rms_norm_gemv", "silu_and_mul_gemv"]
+    assert calls == ["gemv"] + 3 * (2 * layer + ["gemv"]) and ref_calls == []
     assert tokens == ref_tokens
     for out, ref in zip(logits, ref_logits):
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())

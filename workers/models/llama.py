@@ -4,7 +4,9 @@ Matches `transformers`' LlamaForCausalLM on the same weights: pre-norm decoder l
 grouped-query attention, SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused
 matmuls; `packed_modules_mapping` tells the loader which checkpoint tensor fills which part.
 When the fused kernels are on (CUDA, not `enforce_eager`), QK-norm, RoPE and the KV-cache store
-run as one Triton kernel (`kernels/rope_kv_store.py`) between the qkv projection and attention.
+run as one Triton kernel (`kernels/rope_kv_store.py`) between the qkv projection and attention, and at a
+decode step of one sequence (TP 1) the norms and SiLU-and-mul run inside the GEMVs after them
+(`workers/layers/gemv_prologue.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused import fused_kernels_enabled
+from workers.layers.gemv_prologue import fuses_into_gemv, norm_then_linear, silu_and_mul_then_linear
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -50,7 +53,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """positions `[T]` int64, x `[T, hidden_size]` -> `[T, hidden_size]`, this rank's partial sum
         of the output (o_proj does not all-reduce); stores this step's k/v."""
-        qkv = self.qkv_proj(x)
+        return self.forward_qkv(positions, self.qkv_proj(x), meta)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` from the qkv projection's output `[T, (Hq + 2*Hk) * D]` on."""
         if fused_kernels_enabled(qkv):
             return self.o_proj(self.attn.attend(self._norm_rope_store_fused(positions, qkv, meta), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -107,6 +113,8 @@ class LlamaDecoderLayer(nn.Module):
         """x: the embeddings (first layer, `residual` None) or the previous layer's partial MLP
         output. Returns (this layer's partial MLP output, residual stream before it); the sums over
         ranks happen in the norms (all-reduce + residual add + RMSNorm)."""
+        if fuses_into_gemv(x, self.mlp.down_proj):  # one sequence's decode step: the same layers, three kernels fewer
+            return self._forward_in_gemvs(positions, x, residual, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -114,6 +122,14 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm.reduce_add(x, residual)
         return self.mlp(x), residual
+
+    def _forward_in_gemvs(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each norm inside the GEMV after it, and SiLU-and-mul inside down_proj's."""
+        qkv, residual = norm_then_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn.forward_qkv(positions, qkv, meta)
+        gate_up, residual = norm_then_linear(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
+        return silu_and_mul_then_linear(gate_up, self.mlp.down_proj), residual
 
 
 class LlamaModel(nn.Module):
