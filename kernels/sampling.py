@@ -177,6 +177,25 @@ def choose_chunk_size(rows: int, vocab: int, num_sms: int) -> int:
     return min(chunk, max(_MIN_BLOCK, triton.next_power_of_2(vocab)))
 
 
+def chunk_size_representatives(max_rows: int, vocab: int, num_sms: int) -> list[int]:
+    """The smallest row count of each distinct `choose_chunk_size` over 1..`max_rows` rows: one call of
+    `sample_candidates` at each compiles every kernel variant a batch of up to `max_rows` rows can need (the
+    chunk size, and with it the tile, warp count and the reduction's block, are compile-time constants)."""
+    firsts: dict[int, int] = {}
+    for rows in range(1, max_rows + 1):
+        firsts.setdefault(choose_chunk_size(rows, vocab, num_sms), rows)
+    return sorted(firsts.values())
+
+
+def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile `sample_candidates` for every batch of 1..`max_rows` rows of a `vocab`-entry slice in `dtype`
+    logits, so that no batch size compiles a kernel in the middle of serving (a compile holds a step ~0.5 s)."""
+    for rows in chunk_size_representatives(max_rows, vocab, _num_sms(device)):
+        logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
+        temperatures = torch.ones(rows, dtype=torch.float32, device=device)
+        sample_candidates(logits, temperatures, torch.zeros(rows, dtype=torch.int64, device=device))
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":

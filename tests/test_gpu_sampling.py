@@ -125,3 +125,28 @@ def test_seeded_filtered_requests_on_gpu_do_not_depend_on_the_batch(tiny_qwen3: 
     together = llm.generate(fillers + prompts, [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 6
                             + params, use_tqdm=False)[6:]
     assert [o["token_ids"] for o in together] == alone
+
+
+def test_after_the_warm_up_no_batch_size_compiles_a_sampling_kernel() -> None:
+    import triton
+
+    from kernels.sampling import compile_for_batches
+
+    compile_for_batches(256, VOCAB, torch.bfloat16, CUDA)
+    compiled: list[str] = []
+
+    def hook(*_, **kwargs):
+        compiled.append(str(kwargs.get("fn")))
+        return False
+
+    saved = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        sampler = Sampler(CUDA, seed=0)
+        for rows in range(1, 257):
+            logits = torch.randn(rows, VOCAB, device=CUDA).to(torch.bfloat16)
+            sampler(logits, torch.full((rows,), 0.8, device=CUDA), all_greedy=False)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = saved
+    assert compiled == []

@@ -86,6 +86,7 @@ class WorkerProcess:
         with peer_loss_explained():
             r.allocate_kv_cache(msg.num_kv_blocks)
             r.capture_cuda_graphs()
+            r.compile_sampling()
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
                                                                       "cpu_threads": self.cpu_threads}))

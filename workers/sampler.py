@@ -76,6 +76,16 @@ class Sampler:
         self._seeds = np.random.default_rng(seed)  # per-row noise seeds, the same on every rank
 
     @torch.no_grad()
+    def compile_kernels(self, max_rows: int, vocab_slice: int, dtype: torch.dtype) -> None:
+        """Compile the fused sampler for every batch of up to `max_rows` rows now (CUDA; nothing elsewhere):
+        its chunk size varies with the batch, and a variant compiled mid-run held a decode step 0.4-0.7 s on
+        the H200 (benchmarks/RESULTS.md, 2026-12-02 second session). Draws no seeds."""
+        if self._fused:
+            from kernels.sampling import compile_for_batches
+
+            compile_for_batches(max_rows, vocab_slice, dtype, self.device)
+
+    @torch.no_grad()
     def __call__(
         self,
         logits: torch.Tensor,

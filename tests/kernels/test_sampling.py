@@ -7,7 +7,12 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernels.sampling import choose_chunk_size, sample_candidates, sample_tokens  # noqa: E402
+from kernels.sampling import (  # noqa: E402
+    choose_chunk_size,
+    chunk_size_representatives,
+    sample_candidates,
+    sample_tokens,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Chi-square critical values at p = 0.001 for the degrees of freedom used below.
@@ -119,6 +124,17 @@ def test_the_default_chunk_size_fills_the_gpu_at_batch_1_and_amortises_at_batch_
     assert choose_chunk_size(8, 151936, 132) == 4096
     assert choose_chunk_size(1, 300, 132) == 512  # no smaller than a block of 512, none larger than the slice
     assert choose_chunk_size(4, 10, 1) == 16
+
+
+def test_the_warm_up_batches_cover_every_chunk_size_once_at_its_smallest_batch() -> None:
+    reps = chunk_size_representatives(256, 151936, 132)
+    assert reps == [1, 2, 4, 7, 14]  # chunks of 512, 1024, 2048, 4096, 8192
+    sizes = [choose_chunk_size(rows, 151936, 132) for rows in reps]
+    assert sorted(set(sizes)) == sorted(sizes) == sorted({choose_chunk_size(r, 151936, 132) for r in range(1, 257)})
+    for rows in range(1, 257):
+        first = min(r for r in range(1, rows + 1) if choose_chunk_size(r, 151936, 132) == choose_chunk_size(
+            rows, 151936, 132))
+        assert first in reps
 
 
 @pytest.mark.parametrize(("temperature", "vocab_offset"), [(0.6, 0), (1.7, 3)])
