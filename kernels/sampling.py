@@ -187,13 +187,16 @@ def chunk_size_representatives(max_rows: int, vocab: int, num_sms: int) -> list[
     return sorted(firsts.values())
 
 
-def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile `sample_candidates` for every batch of 1..`max_rows` rows of a `vocab`-entry slice in `dtype`
-    logits, so that no batch size compiles a kernel in the middle of serving (a compile holds a step ~0.5 s)."""
+def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                        vocab_offset: int = 0) -> None:
+    """Compile `sample_candidates` for every batch of 1..`max_rows` rows of a `vocab`-entry slice starting at
+    `vocab_offset`, in `dtype` logits, so that no batch size compiles a kernel in the middle of serving (a
+    compile holds a step ~0.5 s)."""
     for rows in chunk_size_representatives(max_rows, vocab, _num_sms(device)):
         logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
         temperatures = torch.ones(rows, dtype=torch.float32, device=device)
-        sample_candidates(logits, temperatures, torch.zeros(rows, dtype=torch.int64, device=device))
+        sample_candidates(logits, temperatures, torch.zeros(rows, dtype=torch.int64, device=device),
+                          vocab_offset=vocab_offset)
 
 
 @functools.cache

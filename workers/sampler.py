@@ -83,7 +83,7 @@ class Sampler:
         if self._fused:
             from kernels.sampling import compile_for_batches
 
-            compile_for_batches(max_rows, vocab_slice, dtype, self.device)
+            compile_for_batches(max_rows, vocab_slice, dtype, self.device, self.vocab_start)
 
     @torch.no_grad()
     def __call__(

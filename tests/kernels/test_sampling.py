@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 from kernels.sampling import (  # noqa: E402
     choose_chunk_size,
     chunk_size_representatives,
+    compile_for_batches,
     sample_candidates,
     sample_tokens,
 )
@@ -135,6 +136,10 @@ def test_the_warm_up_batches_cover_every_chunk_size_once_at_its_smallest_batch()
         first = min(r for r in range(1, rows + 1) if choose_chunk_size(r, 151936, 132) == choose_chunk_size(
             rows, 151936, 132))
         assert first in reps
+
+
+def test_the_warm_up_runs_the_sampler_at_each_representative_batch() -> None:
+    compile_for_batches(3, 300, torch.float32, torch.device("cpu"), vocab_offset=5)  # must not raise
 
 
 @pytest.mark.parametrize(("temperature", "vocab_offset"), [(0.6, 0), (1.7, 3)])
