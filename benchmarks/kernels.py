@@ -225,14 +225,22 @@ def sweep(which: str = "all") -> None:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="all", choices=["all", "sampling", "sweep"],
+                    help="all: attention then sampling (default); sampling: only the sampler; sweep: time every "
+                         "launch configuration of the decode kernel")
+    ap.add_argument("sweep_cache", nargs="?", choices=["fp8"], help="with sweep: only the fp8 KV cache")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    if sys.argv[1:] == ["sampling"]:
+    if args.mode == "sampling":
         bench_sampling()
         return
-    if sys.argv[1:2] == ["sweep"]:
-        sweep(*sys.argv[2:3])
+    if args.mode == "sweep":
+        sweep(args.sweep_cache or "all")
         return
     rng = random.Random(0)
     print(f"{torch.cuda.get_device_name()}, {DTYPE}, {NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads / "

@@ -90,6 +90,10 @@ def measure() -> tuple[list[int], list[float], list[float]]:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                            epilog="No options: it runs as shown in the usage above.").parse_args()
     sizes, schedule_ms, total_ms = measure()
     assert sizes, "no steady decode step was measured"
     size = max(sizes)

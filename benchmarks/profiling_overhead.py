@@ -34,6 +34,10 @@ def per_step_ns(step) -> float:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                            epilog="No options: it runs as shown in the usage above.").parse_args()
     off = SimpleNamespace(profile_dir=None, profile_steps=DEFAULT_PROFILE_STEPS, tensor_parallel_size=1)
     sched = SchedulerProfiling(off, "run", lambda msg: None, lambda msg: None)
     worker = WorkerProfiling(off, "run", 0, "cpu")
