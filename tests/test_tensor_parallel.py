@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,12 +83,16 @@ def test_cpu_workers_share_the_cores_unless_omp_num_threads_is_set(monkeypatch: 
         torch.set_num_threads(before)
 
 
-def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory) -> None:
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_tiny_checkpoint("qwen3", tmp_path / "mqa", qwen3_tokenizer_dir, num_key_value_heads=1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it for every other engine
+    # torch's default thread count where OMP_NUM_THREADS is unset, as the workers start with it:
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                 capture_output=True, text=True, check=True).stdout)
     llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)
-    if "OMP_NUM_THREADS" not in os.environ:  # each CPU worker took its share of the cores
-        share = max(1, torch.get_num_threads() // 2)
-        assert [llm.engine.process_info[f"worker-tp{r}"]["cpu_threads"] for r in (0, 1)] == [share, share]
+    share = max(1, default // 2)  # each CPU worker took its share of the cores
+    assert [llm.engine.process_info[f"worker-tp{r}"]["cpu_threads"] for r in (0, 1)] == [share, share]
     outs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
     for ids, out in zip(prompt_ids(model), outs):
         assert out["token_ids"] == hf_greedy(str(model), tuple(ids))
