@@ -9,30 +9,34 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import signal
 import sys
-import time
-from typing import Any
 
-from common.config import (
-    ATTENTION_BACKENDS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_PROFILE_STEPS,
-    DEVICES,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    STRUCTURED_OUTPUTS_BACKENDS,
-    ConfigError,
-    EngineConfig,
-)
-from common.protocol import GenerateRequest
-from common.sampling_params import SamplingParams
-from common.units import count
-from frontend.cli import ArgumentParser, HelpFormatter
+try:  # a Ctrl-C while these load (numpy, transformers' config: ~1 s) exits as one after start-up does: 130, quietly
+    import argparse
+    import json
+    import os
+    import shlex
+    import signal
+    import time
+    from typing import Any
+
+    from common.config import (
+        ATTENTION_BACKENDS,
+        DEFAULT_MAX_MESSAGE_BYTES,
+        DEFAULT_PROFILE_STEPS,
+        DEVICES,
+        DTYPES,
+        KV_CACHE_DTYPES,
+        STRUCTURED_OUTPUTS_BACKENDS,
+        ConfigError,
+        EngineConfig,
+    )
+    from common.protocol import GenerateRequest
+    from common.sampling_params import SamplingParams
+    from common.units import count
+    from frontend.cli import ArgumentParser, HelpFormatter
+except KeyboardInterrupt:
+    sys.exit(130)
 
 PROGRESS_REFRESH_S = 0.2  # the one-shot progress bar shows the output tokens so far this often (seconds)
 DEMO_PROMPTS = [
