@@ -105,12 +105,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
         one_step()
     sync_ms = (time.perf_counter() - t0) / n * 1e3
     t0 = time.perf_counter()
-    pending = runner.execute(decode)
-    for _ in range(n - 1):
-        nxt = runner.execute(decode)
-        runner.finalize(pending)
-        pending = nxt
-    runner.finalize(pending)
+    run_pipelined(runner, decode, n)
     pipelined_ms = (time.perf_counter() - t0) / n * 1e3
     if args.host_profile:
         host_profile(runner, decode, say)
@@ -185,6 +180,16 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     kernel_table("eager decode step", one_step, 25)
 
 
+def run_pipelined(runner: ModelRunner, plan: StepPlan, steps: int) -> None:
+    """`steps` steps of `plan` as the worker runs them: each launched before the previous one is finalized."""
+    pending = runner.execute(plan)
+    for _ in range(steps - 1):
+        nxt = runner.execute(plan)
+        runner.finalize(pending)
+        pending = nxt
+    runner.finalize(pending)
+
+
 def host_profile(runner: ModelRunner, plan: StepPlan, say) -> None:
     """200 pipelined steps under cProfile: the host functions that cost the most, by own time and in all."""
     import cProfile
@@ -194,12 +199,7 @@ def host_profile(runner: ModelRunner, plan: StepPlan, say) -> None:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    pending = runner.execute(plan)
-    for _ in range(steps - 1):
-        nxt = runner.execute(plan)
-        runner.finalize(pending)
-        pending = nxt
-    runner.finalize(pending)
+    run_pipelined(runner, plan, steps)
     prof.disable()
     say(f"host profile: {steps} pipelined steps, {(time.perf_counter() - t0) / steps * 1e3:.3f} ms a step under "
         "cProfile (times below are per run of all steps)")
