@@ -23,6 +23,8 @@ a list with one result per batch size.
     python benchmarks/latency.py --model DIR --input-len 100 --output-len 512 --batch-size 1 8 32
     python benchmarks/latency.py --model DIR --input-len 1024 --output-len 1 --batch-size 32 \\
         --max-num-batched-tokens 32768                                       # prefill
+    python benchmarks/latency.py --model DIR --input-len 100 --output-len 512 --batch-size 1 \\
+        --profile-dir D --profile-steps 1200:1240                            # a trace of 40 decode steps
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                        tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device)
     if args.kv_cache_memory_gb is not None:
         engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+    if args.profile_dir:
+        engine_args.update(profile_dir=args.profile_dir, profile_steps=args.profile_steps)
     llm = LLM(args.model, **engine_args)
     rng = np.random.default_rng(args.seed)
     try:
@@ -187,6 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile the run into this folder (README: Profiling); a profiled run is slower while it traces")
+    ap.add_argument("--profile-steps", default="1200:1240",
+                    help="with --profile-dir: the engine steps traced, A:B (default: inside the third iteration of "
+                         "a 512-token batch-1 run)")
     args = ap.parse_args(argv)
     for name in ("input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:

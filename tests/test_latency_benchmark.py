@@ -45,3 +45,12 @@ def test_prefill_mode_reports_prompt_tokens_per_second(tiny_qwen3: Path, tmp_pat
     assert r["prompt_tokens_per_s"] > 0
     assert r["prompt_tokens_per_s"] >= 4 * 40 / r["latency_s"]["p99"]  # the prefill ends before generate returns
     assert r["kv_cache_dtype"] == "fp8"
+
+
+def test_a_profiled_run_traces_the_steps_it_names(tiny_qwen3: Path, tmp_path: Path) -> None:
+    (r,) = run_latency(tiny_qwen3, tmp_path / "profiled.json", "--input-len", "12", "--output-len", "10",
+                       "--batch-size", "1", "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "12:16")
+    assert r["decode_tokens_per_s"] > 0
+    summary = (tmp_path / "prof" / "summary.txt").read_text()
+    assert "steps 12..15" in summary
+    assert (tmp_path / "prof" / "worker-tp0.pt.trace.json.gz").exists()
