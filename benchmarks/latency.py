@@ -118,6 +118,8 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
         "decode_tokens_per_s": batch_size / tpot["mean"] if tpot else None,
         "prompt_tokens_per_s": prompt_tokens / float(np.mean(prefill_wall)) if prefill_wall else None,
         "prompt_tokens_per_device_s": prompt_tokens * args.num_iters / prefill_device_s if prefill_device_s else None,
+        "kernel_compiles_mid_run": sum(s.get("compiles", 0) for s in steps
+                                       if any(t0 <= s.get("t_done", -1.0) <= t1 for t0, t1 in raw["windows"])),
         "num_cached_tokens": raw["cached"], "kv_cache_tokens": info.get("num_kv_blocks", 0) * info.get("block_size", 0),
         "devices": info.get("devices"),
     }
@@ -166,6 +168,8 @@ def report(r: dict) -> None:
         device = r["prompt_tokens_per_device_s"]
         print(f"prefill: {r['prompt_tokens_per_s']:.0f} prompt tok/s (submission to the last first token)"
               + (f", {device:.0f} prompt tok/s of device time" if device else ""))
+    if r["kernel_compiles_mid_run"]:
+        print(f"warning: {r['kernel_compiles_mid_run']} Triton kernels compiled during the measured iterations")
     if r["num_cached_tokens"]:
         print(f"warning: {r['num_cached_tokens']} prompt tokens were prefix-cache hits")
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile-dir", default=None,
-                    help="profile the run into this folder (README: Profiling); a profiled run is slower while it traces")
+                    help="profile the run into this folder (README: Profiling); a profiled run is slower")
     ap.add_argument("--profile-steps", default="1200:1240",
                     help="with --profile-dir: the engine steps traced, A:B (default: inside the third iteration of "
                          "a 512-token batch-1 run)")

@@ -131,6 +131,7 @@ def main() -> None:
         "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size, "filtered": args.filtered,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_capacity_tokens": kv_capacity_tokens,
         "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
+        "kernel_compiles_mid_run": sum(s.get("compiles", 0) for s in steps),
     }
     print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")
     print(f"fraction of the KV-read roofline (MISSION.md: {MISSION_ROOFLINE_TOKENS_PER_S} tok/s): "
@@ -148,6 +149,9 @@ def main() -> None:
           "slowest steps (device ms, rows, tokens, decode): " + ", ".join(
               f"{st['gpu_ms']:.1f} ({st['rows']}, {st['tokens']}, {bool(st.get('decode'))})"
               for st in sorted(timed, key=lambda st: -st["gpu_ms"])[:5]))
+    if result["kernel_compiles_mid_run"]:  # workers/compile_watch.py: each held its step for the compile
+        print(f"warning: {result['kernel_compiles_mid_run']} Triton kernels compiled during the run, in steps "
+              + ", ".join(str(st["step"]) for st in steps if st.get("compiles")))
     print(f"process CPU: {format_cpu(cpu_used, elapsed)}")
     print(f"KV cache ({args.kv_cache_dtype}): {kv_capacity_tokens} tokens")
     print(json.dumps(result))

@@ -145,3 +145,30 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(tiny_qwen3: Path) -> None
     blocks = runner.max_num_kv_blocks()
     total = torch.cuda.get_device_properties(0).total_memory
     assert 0.1 * total < blocks * runner.kv_bytes_per_block < 0.2 * total
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_triton_kernel_compiles_after_the_warm_up(tiny_qwen3: Path, engine_factory, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str) -> None:
+    """Prompts of 1..400 tokens finishing at different lengths: prefill chunks, mixed steps and decode batches
+    of many sizes. Every kernel variant they need was compiled before the engine reported ready (a variant
+    compiled mid-run held its step 0.4-1.9 s on the H200); the worker counts compiles per step
+    (workers/compile_watch.py)."""
+    import json
+
+    monkeypatch.setenv("DELTASERVE_STEP_LOG_DIR", str(tmp_path))
+    llm = engine_factory(tiny_qwen3, device="cuda", dtype="bfloat16", attention_backend="triton",
+                         max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, kv_cache_memory_gb=1.0,
+                         kv_cache_dtype=kv_cache_dtype)
+    rng = np.random.default_rng(0)
+    lengths, max_tokens = rng.integers(1, 400, size=48), rng.integers(1, 120, size=48)
+    prompts = [synthetic_prompt(int(n), seed=i) for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True)
+              for t, m in zip(rng.choice([0.0, 0.7, 1.0], size=48), max_tokens)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outputs] == max_tokens.tolist()
+    llm.shutdown()
+    steps = [json.loads(line) for line in open(tmp_path / "worker-tp0.jsonl")]
+    assert len({s["rows"] for s in steps if s.get("decode")}) >= 20  # many batch sizes were run
+    assert sum(not s.get("decode") for s in steps) >= 10
+    assert [(s["step"], s["rows"], s["tokens"], s["compiles"]) for s in steps if s.get("compiles")] == []

@@ -151,7 +151,11 @@ _UPLOADS = (("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", n
             ("gpu_token_index", np.int64), ("gpu_token_rows", np.int64), ("logits_indices", np.int64),
             ("sampling_rows", np.int64), ("temperatures", np.float32))
 _INDEX_INPUTS = ("gpu_token_index", "gpu_token_rows", "logits_indices", "sampling_rows", "temperatures")
-_PACK_ALIGN = 8  # bytes: every packed input starts at a multiple, so its device view keeps its dtype's alignment
+# Bytes: every packed input starts at a multiple. Triton specializes a kernel on whether each pointer argument
+# is 16-byte aligned, so the views must be aligned alike at every batch: at 8 bytes their alignment changed with
+# the step's sizes, and each new combination compiled the prefill and sampling kernels anew mid-run (steps of
+# 0.4-1.9 s on the H200, 6 s of a 12.9 s reference run; benchmarks/RESULTS.md, 2026-12-02 third session).
+_PACK_ALIGN = 16
 
 
 class HostBuffers:

@@ -38,6 +38,7 @@ from common.protocol import (
     WorkerReady,
     i32,
 )
+from workers.compile_watch import CompileWatch
 from workers.model_runner import ModelRunner, PendingStep, resolve_device
 from workers.parallel import destroy_tensor_parallel, peer_loss_explained
 
@@ -75,6 +76,7 @@ class WorkerProcess:
         device = str(resolve_device(config.device, rank))
         self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
         self.runner.phases = self.profiling.phases
+        self.compile_watch = CompileWatch()  # from the end of the warm-up on: any Triton compile is a stall
 
     def start(self) -> None:
         r = self.runner
@@ -87,6 +89,7 @@ class WorkerProcess:
             r.allocate_kv_cache(msg.num_kv_blocks)
             r.capture_cuda_graphs()
             r.compile_sampling()
+        self.compile_watch.install()
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
                                                                       "cpu_threads": self.cpu_threads}))
@@ -133,6 +136,9 @@ class WorkerProcess:
                 return
             assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
             launched = self.runner.execute(msg)  # None for a plan with no rows (only finished ids)
+            compiles = self.compile_watch.take()
+            if launched is not None and compiles:
+                launched.timings["compiles"] = compiles
             if pending is not None:
                 self._finish(pending)
             pending = launched
@@ -155,6 +161,7 @@ class WorkerProcess:
             log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
 
     def close(self) -> None:
+        self.compile_watch.uninstall()
         self.runner.structured.close()
         if self._grammar_results is not None and self.runner.structured.idle:
             self._grammar_results.close()
