@@ -169,13 +169,21 @@ def runner_greedy(model_dir: str, prompts: list[list[int]], backend: str, eager:
     runner.allocate_kv_cache(sum(blocks_needed))
     runner.capture_cuda_graphs()
     captured: list[torch.Tensor] = []
-    sample = runner.sampler
 
-    def capture(logits, *args, **kwargs):
-        captured.append(logits.float())
-        return sample(logits, *args, **kwargs)
+    class Capture:
+        """The runner's sampler, keeping the logits of every call (eager sampling: prefill, eager mode)."""
 
-    runner.sampler = capture
+        def __init__(self, sampler) -> None:
+            self.sampler = sampler
+
+        def __getattr__(self, name: str):
+            return getattr(self.sampler, name)
+
+        def __call__(self, logits, *args, **kwargs):
+            captured.append(logits.float())
+            return self.sampler(logits, *args, **kwargs)
+
+    runner.sampler = Capture(runner.sampler)
     starts = np.cumsum([0, *blocks_needed])
     plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32(range(starts[i], starts[i + 1])), 0,
                                                   len(p)) for i, p in enumerate(prompts)])]
@@ -184,7 +192,10 @@ def runner_greedy(model_dir: str, prompts: list[list[int]], backend: str, eager:
     top: list[list[list[int]]] = [[] for _ in prompts]
     first: list[torch.Tensor] = []
     for plan in plans:
-        sampled = runner.finalize(runner.execute(plan))
+        step = runner.execute(plan)
+        if not captured:  # sampled inside the decode graph: the same LM head on the graph's hidden states
+            captured.append(runner.model.compute_logits(runner.graphs[n][1][:n]).float())
+        sampled = runner.finalize(step)
         logits = captured.pop()
         if plan.step_id == 0:
             first = list(logits.cpu())

@@ -115,6 +115,13 @@ def gemv_max_batch() -> int:
     return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
 
 
+def eager_sampling() -> bool:
+    """DELTASERVE_EAGER_SAMPLING: sample decode steps outside their CUDA graph, the LM head and the sampler launched
+    one by one (default off: a decode step whose rows need no logits processing runs its LM head and sampler in a
+    second captured graph, workers/graph_inputs.py). For measuring what the graph saves, or ruling it out."""
+    return _flag("DELTASERVE_EAGER_SAMPLING")
+
+
 def all_reduce_impl() -> str:
     """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
     GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
@@ -182,6 +189,7 @@ def check_all() -> None:
     frontend_timeout_s()
     all_reduce_impl()
     gemv_max_batch()
+    eager_sampling()
     step_timeout_s()
     step_timeout_floor_s()
     check_invariants()

@@ -172,3 +172,41 @@ def test_no_triton_kernel_compiles_after_the_warm_up(tiny_qwen3: Path, engine_fa
     assert len({s["rows"] for s in steps if s.get("decode")}) >= 20  # many batch sizes were run
     assert sum(not s.get("decode") for s in steps) >= 10
     assert [(s["step"], s["rows"], s["tokens"], s["compiles"]) for s in steps if s.get("compiles")] == []
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_sampling_in_the_decode_graph_draws_the_tokens_of_eager_sampling(tiny_qwen3: Path, batch: int) -> None:
+    """A decode step of plain rows runs its LM head and sampler in a second graph (workers/graph_inputs.py);
+    with the same seeds it must draw exactly the tokens the eager sampler draws (greedy, sampled and seeded rows;
+    at a batch equal to a graph size the LM head multiplies the same rows either way). Also checks the token
+    ids the forward graph gathers from `last_sampled` between pipelined steps."""
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig(model=str(tiny_qwen3), device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
+                       max_num_seqs=8, cuda_graph_sizes=(1, 4, 8), attention_backend="triton").resolve()
+    prompts = [synthetic_prompt(10 + 3 * i, seed=i) for i in range(batch)]
+    temperatures = [(0.0, 0.8, 1.0, 1.3)[i % 4] for i in range(batch)]
+    seeds = [7 if i % 3 == 1 else None for i in range(batch)]
+    plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), temperatures[i], seeds[i], i32(range(8 * i, 8 * i + 8)),
+                                                  0, len(p)) for i, p in enumerate(prompts)])]
+    plans += [StepPlan(s, decode_seq_ids=i32(range(batch))) for s in range(1, 24)]
+    results = {}
+    for in_graph in (True, False):
+        runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+        runner.allocate_kv_cache(64)
+        runner.capture_cuda_graphs()
+        assert set(runner.sample_graphs) == {1, 4, 8}
+        if not in_graph:
+            runner.sample_graphs.clear()
+        tokens, pending = [], None
+        for plan in plans:  # pipelined as the worker runs them: step N+1 launched before N is finalized
+            step = runner.execute(plan)
+            if pending is not None:
+                tokens.append(runner.finalize(pending).tolist())
+            pending = step
+        tokens.append(runner.finalize(pending).tolist())
+        results[in_graph] = tokens
+        del runner
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+    assert len({tuple(t) for t in results[True]}) > 3  # the tokens move: the sampled ones are not stuck

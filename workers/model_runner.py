@@ -2,7 +2,8 @@
 
 `execute(plan)` applies a step plan to the persistent batch, copies the step's inputs to the
 device (pinned host buffers, non-blocking copies), runs the model (a captured CUDA graph for
-decode batches, eagerly otherwise), samples, and starts copying the sampled tokens back. It
+decode batches, eagerly otherwise), samples (in a second graph for a decode step of plain rows at TP 1,
+workers/graph_inputs.py), and starts copying the sampled tokens back. It
 returns without waiting for the device; `finalize` waits for the copy. The worker launches step
 N+1 before it finalizes step N, so the device never waits for Python.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common import envs
 from common.config import EngineConfig, load_hf_config
 from common.errors import ExplainedError
 from common.profiling import PhaseRecorder
@@ -36,6 +38,7 @@ from common.protocol import GrammarCompiled, Logprobs, StepPlan, f32, i32
 from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
+from workers.graph_inputs import GraphInputs, decode_input_ids
 from workers.input_batch import InputBatch, ReqState, StepInputs
 from workers.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv_cache
 from workers.layers.fused import enable_compilation
@@ -50,7 +53,7 @@ from workers.logits_processing import (
 )
 from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
-from workers.parallel import init_tensor_parallel
+from workers.parallel import init_tensor_parallel, tp_size
 from workers.sampler import ProcessedRows, Sampler
 from workers.structured_output import StructuredOutputManager, bitmask_width, default_threads
 
@@ -257,9 +260,12 @@ class ModelRunner:
         self.host = [HostBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
                      for _ in range(2)]
         self.step_parity = 0
-        self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        # Each batch row's latest sampled token, and past them one scratch entry for a graph's padding rows.
+        self.last_sampled = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.kv_cache: torch.Tensor | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (forward, hidden)
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> LM head + sampler
+        self.graph_io: GraphInputs | None = None
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self._last_step_end: torch.cuda.Event | None = None
         self._last_launched: PendingStep | None = None  # the step launched last: its tokens may not be received
@@ -398,7 +404,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        """Capture one decode graph per batch size, largest first, sharing one memory pool.
+        """Capture one decode graph per batch size, largest first, sharing one memory pool: the forward (from the
+        token ids, gathered on the device, to the last hidden states), and where sampling can run in a graph
+        (TP 1, the fused sampler, unless DELTASERVE_EAGER_SAMPLING) a second one: LM head, sampler, and the
+        tokens into `last_sampled`. Inputs: `workers/graph_inputs.py`.
 
         Padding rows of a replay get slot -1 (no KV write) and sequence length 0 (no KV read),
         so they can neither write into nor read from real requests' blocks.
@@ -408,27 +417,47 @@ class ModelRunner:
         t0 = time.perf_counter()
         sizes = self.graph_batch_sizes()
         max_bs, dev = max(sizes), self.device
-        g = self.graph_inputs = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-        }
+        io = self.graph_io = GraphInputs(max_bs, self.max_blocks_per_seq, self.config.max_num_seqs, dev)
+        g = self.graph_inputs = {**io.views, "block_tables": io.block_tables, "query_start_loc": io.query_start_loc}
+        sample = self.sampler.fused and tp_size() == 1 and not envs.eager_sampling()
         pool = None
         for bs in reversed(sizes):
             meta = self._graph_metadata(bs)
-            self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up (kernel compilation)
+
+            def forward(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+                ids = decode_input_ids(g["input_ids"][:bs], g["src_rows"][:bs], self.last_sampled)
+                return self.model(ids, g["positions"][:bs], meta)
+
+            forward()  # warm-up (kernel compilation)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+                out = forward()
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
+            if sample:
+                self._sample_in_graph(out, bs)  # warm-up
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._sample_in_graph(out, bs)
+                self.sample_graphs[bs] = graph
+        self.last_sampled.zero_()  # the warm-ups wrote the scratch entry and row 0
         torch.cuda.synchronize(dev)
-        log.info("rank %d captured %d CUDA graphs (batch %d..%d) in %.1f s", self.rank, len(sizes), min(sizes),
-                 max_bs, time.perf_counter() - t0)
+        log.info("rank %d captured %d CUDA graphs (batch %d..%d%s) in %.1f s", self.rank, len(sizes), min(sizes),
+                 max_bs, ", sampling in graphs" if sample else "", time.perf_counter() - t0)
+
+    def _sample_in_graph(self, hidden: torch.Tensor, bs: int) -> None:
+        """What a sampling graph runs: the LM head on `hidden` `[bs, hidden]`, the fused sampler with the graph
+        inputs' temperatures and seeds (temperature 0: argmax), the tokens into `last_sampled` (padding rows into
+        its scratch entry) and into `graph_inputs["tokens"]`."""
+        from kernels.sampling import sample_candidates
+
+        g = self.graph_inputs
+        logits = self.model.compute_logits(hidden)
+        _, tokens = sample_candidates(logits, g["temperatures"][:bs], g["seeds"][:bs])
+        self.last_sampled.index_copy_(0, g["sampling_rows"][:bs], tokens)
+        g["tokens"][:bs].copy_(tokens)
 
     @torch.no_grad()
     def compile_sampling(self) -> None:
@@ -479,7 +508,15 @@ class ModelRunner:
         graph_bs = self._graph_size_for(inputs)
         ended = None
         self.phases.begin("upload", plan.step_id)
-        started, (input_ids, positions, meta, dev_idx) = self._upload(inputs, host, graph_bs)
+        sample_graph = None  # a decode step whose rows need only temperature sampling samples in a graph too
+        if graph_bs is not None and inputs.processing is None and inputs.prompt_logprobs is None:
+            sample_graph = self.sample_graphs.get(graph_bs)
+        if graph_bs is not None:
+            seeds = self.sampler.draw_seeds(len(inputs.rows), inputs.temperatures, inputs.seeded_rows) \
+                if sample_graph is not None else None
+            started, dev_idx = self._upload_graph_step(inputs, graph_bs, seeds)
+        else:
+            started, (input_ids, positions, meta, dev_idx) = self._upload(inputs, host)
         self.phases.begin("forward" if graph_bs is None else "graph replay", plan.step_id)
         if graph_bs is not None:
             graph, out = self.graphs[graph_bs]
@@ -490,7 +527,12 @@ class ModelRunner:
         if inputs.forks:
             self._copy_fork_blocks(inputs.forks)
         self.phases.begin("sample", plan.step_id)
-        tokens_host, event, logprobs_host, prompt_logprobs_host = self._sample(inputs, host, hidden, dev_idx)
+        if sample_graph is not None:
+            sample_graph.replay()
+            (tokens_host, event), logprobs_host, prompt_logprobs_host = self._tokens_to_host(
+                host, self.graph_inputs["tokens"][: len(inputs.rows)]), None, None
+        else:
+            tokens_host, event, logprobs_host, prompt_logprobs_host = self._sample(inputs, host, hidden, dev_idx)
         if started is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
@@ -506,11 +548,25 @@ class ModelRunner:
         self._last_launched = step
         return step
 
-    def _upload(self, inputs: StepInputs, host: HostBuffers, graph_bs: int | None
+    def _upload_graph_step(self, inputs: StepInputs, graph_bs: int, seeds: np.ndarray | None
+                           ) -> tuple[torch.cuda.Event, dict[str, torch.Tensor]]:
+        """Copy a decode step's inputs into the graphs' static buffer (`GraphInputs`: one copy, and one on the
+        device for the block table). Returns the step's start event and the index inputs' device views."""
+        io = self.graph_io
+        assert io is not None
+        b = len(inputs.rows)
+        staging, nbytes, width = io.fill(inputs, self.batch.block_table, graph_bs, seeds)
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
+        io.upload(staging, nbytes, b, width)
+        g = self.graph_inputs
+        return started, {name: g[name][:b] for name in ("logits_indices", "sampling_rows", "temperatures")}
+
+    def _upload(self, inputs: StepInputs, host: HostBuffers
                 ) -> tuple[torch.cuda.Event | None,
                            tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, torch.Tensor]]]:
-        """Copy the step's inputs to the device (into the graph's static buffers for a graph step). Returns the
-        step's start event (CUDA) with the inputs on the device.
+        """Copy an eager step's inputs to the device. Returns the step's start event (CUDA) with the inputs on
+        the device.
 
         Every host buffer is filled before the start event is recorded and the first copy launched: an idle
         device reaches the event at once, so host work between the two would count as device time in the step
@@ -536,16 +592,6 @@ class ModelRunner:
             host.copied.record()
         if len(inputs.gpu_token_index):
             input_ids[dev_idx["gpu_token_index"]] = self.last_sampled[dev_idx["gpu_token_rows"]]
-        if graph_bs is not None:
-            g = self.graph_inputs
-            g["input_ids"][:b].copy_(input_ids)
-            g["positions"][:b].copy_(positions)
-            g["slot_mapping"][:b].copy_(slot_mapping)
-            g["slot_mapping"][b:graph_bs].fill_(-1)
-            g["seq_lens"][:b].copy_(seq_lens)
-            g["seq_lens"][b:graph_bs].fill_(0)
-            g["block_tables"][:b, :width].copy_(block_tables)
-            return started, (input_ids, positions, self._graph_metadata(graph_bs), dev_idx)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
             max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len, is_decode=inputs.is_decode,
@@ -607,6 +653,8 @@ class ModelRunner:
                                              np.ones(len(h.logprob_rows), np.int32), h.logprob_counts,
                                              *(self._to_host(t) for t in lp))
             self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
+            if prompt_lp is None:
+                return (*self._tokens_to_host(host, tokens), lp_host, None)
             out = host.sampled[:s]
             out.copy_(tokens, non_blocking=self.device.type == "cuda")
         if self.device.type != "cuda" or (out is None and prompt_lp is None):
@@ -614,6 +662,18 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return out, event, lp_host, prompt_lp
+
+    def _tokens_to_host(self, host: HostBuffers, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying a step's sampled tokens `[s]` int64 into `host.sampled`; returns it and the event that
+        marks their arrival (None on CPU, where the copy is done)."""
+        out = host.sampled[: len(tokens)]
+        if self.device.type != "cuda":
+            out.copy_(tokens)
+            return out, None
+        out.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return out, event
 
     def _grammar_bitmask(self, grammars: list) -> torch.Tensor:
         """The bitmask of a step's constrained rows on the device. First the previous step's tokens are

@@ -72,7 +72,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.vocab_start = vocab_start
         self._generator = torch.Generator(device="cpu")
-        self._fused = device.type == "cuda"
+        self.fused = device.type == "cuda"  # the Triton kernel (else the torch code below)
         self._seeds = np.random.default_rng(seed)  # per-row noise seeds, the same on every rank
 
     @torch.no_grad()
@@ -80,7 +80,7 @@ class Sampler:
         """Compile the fused sampler for every batch of up to `max_rows` rows now (CUDA; nothing elsewhere):
         its chunk size varies with the batch, and a variant compiled mid-run held a decode step 0.4-0.7 s on
         the H200 (benchmarks/RESULTS.md, 2026-12-02 second session). Draws no seeds."""
-        if self._fused:
+        if self.fused:
             from kernels.sampling import compile_for_batches
 
             compile_for_batches(max_rows, vocab_slice, dtype, self.device, self.vocab_start)
@@ -103,11 +103,7 @@ class Sampler:
         logits instead (their entries of `logits` are not used). Returns token ids `[n]` int64 (global
         ids; the same on every rank). A row with no finite logit gets token 0.
         """
-        seeds = None
-        if not all_greedy:
-            seeds = self._seeds.integers(0, 2**62, size=logits.shape[0], dtype=np.int64)
-            for row, seed, position in seeded_rows or ():
-                seeds[row] = seeded_generator_seed(seed, position)
+        seeds = None if all_greedy else self._draw(logits.shape[0], seeded_rows)
         tokens = None
         if processed is None or not processed.all_rows:
             tokens = self._sample_slice(logits, temperatures, all_greedy, seeds)
@@ -116,6 +112,20 @@ class Sampler:
         row_seeds = seeds[processed.rows_host] if seeds is not None else np.zeros(len(processed.rows_host), np.int64)
         drawn = self._sample_whole(processed.logits, processed.temperatures, row_seeds)
         return drawn if tokens is None else tokens.index_copy(0, processed.rows, drawn)
+
+    def draw_seeds(self, n: int, temperatures: np.ndarray, seeded_rows: list[tuple[int, int, int]] | None = None
+                   ) -> np.ndarray | None:
+        """The `[n]` int64 noise seeds a call with these rows' `temperatures` (`[n]` float32, on the host) would
+        draw, drawn now (None when every row is greedy: nothing is drawn). For a caller that runs the fused kernel
+        itself (a decode step's sampling graph, workers/model_runner.py): the generator advances exactly as a
+        call would, so a step samples the same tokens either way."""
+        return None if not (temperatures > 0).any() else self._draw(n, seeded_rows)
+
+    def _draw(self, n: int, seeded_rows: list[tuple[int, int, int]] | None) -> np.ndarray:
+        seeds = self._seeds.integers(0, 2**62, size=n, dtype=np.int64)
+        for row, seed, position in seeded_rows or ():
+            seeds[row] = seeded_generator_seed(seed, position)
+        return seeds
 
     def _sample_slice(self, logits: torch.Tensor, temperatures: torch.Tensor, all_greedy: bool,
                       seeds: np.ndarray | None) -> torch.Tensor:
@@ -126,7 +136,7 @@ class Sampler:
             scores, tokens = logits.max(dim=-1)
             return best_across_ranks(scores, tokens + self.vocab_start)
         assert seeds is not None
-        if self._fused:
+        if self.fused:
             from kernels.sampling import sample_candidates
 
             # Through pinned memory: a copy from pageable memory may wait for the forward still running.
@@ -138,7 +148,7 @@ class Sampler:
 
     def _sample_whole(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: np.ndarray) -> torch.Tensor:
         """Rows that hold the whole vocabulary (on every rank): the token, with no exchange between ranks."""
-        if self._fused:
+        if self.fused:
             from kernels.sampling import sample_candidates
 
             return sample_candidates(logits, temperatures, to_device(seeds, self.device))[1]
