@@ -455,6 +455,19 @@ def test_prompt_longer_than_the_context_is_a_400_naming_both_lengths(client: ope
     assert "max_model_len is 512" in err.value.body["message"] and err.value.body["param"] == "messages"
 
 
+def test_a_refused_request_counts_as_a_failure_not_a_success(server: HTTPServer, client: openai.OpenAI) -> None:
+    before = server.wait_metrics(idle)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=[7] * 600, max_tokens=3)
+    failures = "deltaserve:request_failure_total"
+    after = server.wait_metrics(lambda m: m[failures] > before[failures])
+    assert after[failures] == before[failures] + 1
+    successes = [k for k in after if k.startswith("deltaserve:request_success_total")]
+    assert sorted(successes) == [f"deltaserve:request_success_total{{finished_reason={r}}}"
+                                 for r in ("abort", "length", "stop")]
+    assert all(after[k] == before[k] for k in successes)
+
+
 def test_a_prompt_and_max_tokens_beyond_the_context_is_a_400_as_in_vllm(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # 500 + 16 (the completions default) > 512
         client.completions.create(model="tiny", prompt=[7] * 500)

@@ -17,7 +17,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.protocol import EngineStats
 
 PREFIX = "deltaserve:"
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort")  # request_success_total's labels, as vLLM's
+FAILED = "error"  # the engine's finish reason of a refused or failed request: request_failure_total instead
 
 HISTOGRAM_HELP = {
     "time_to_first_token_seconds": "Time from arrival to the first output token, per request (seconds).",
@@ -72,9 +73,11 @@ class _StatsCollector:
         yield counter("generation_tokens", "Output tokens generated.", s.num_generation_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason.",
                                       labels=["model_name", "finished_reason"])
-        for reason in sorted(set(FINISH_REASONS) | set(s.num_finished)):
+        for reason in sorted((set(FINISH_REASONS) | set(s.num_finished)) - {FAILED}):
             success.add_metric([self.model_name, reason], s.num_finished.get(reason, 0))
         yield success
+        yield counter("request_failure", "Requests refused or failed with an error (bad input the HTTP layer did "
+                      "not catch, an engine failure); not in request_success.", s.num_finished.get(FAILED, 0))
         for h in s.histograms:
             family = HistogramMetricFamily(PREFIX + h.name, HISTOGRAM_HELP.get(h.name, h.name), labels=["model_name"])
             buckets, cumulative = [], 0
