@@ -631,6 +631,15 @@ def test_bad_chat_fields_are_a_400_naming_the_field(server: HTTPServer, body: di
     assert error["param"] == param and message in error["message"], error
 
 
+@pytest.mark.parametrize(("field", "value", "starts"), [
+    ("structured_outputs", {"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+    ("guided_regex", "", "guided_regex: structured_outputs.regex must be a non-empty string")])
+def test_a_bad_structured_output_names_its_field_once(server: HTTPServer, field: str, value: object,
+                                                      starts: str) -> None:
+    response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, field: value})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(starts), response.text
+
+
 @pytest.mark.parametrize(("raw", "param"), [
     (b'{"prompt": "x", "temperature": NaN}', "temperature"),
     (b'{"prompt": "x", "temperature": Infinity}', "temperature"),

@@ -151,6 +151,7 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> dict[s
     name, value = given[0]
     try:
         StructuredOutputsParams.from_value(dict(value))
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedField(name, f"{name}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # its message names structured_outputs' field: prefix only an alias
+        message = str(exc)
+        raise UnsupportedField(name, message if message.startswith(name) else f"{name}: {message}") from None
     return value

@@ -280,7 +280,8 @@ def engine_error(out: RequestOutput, param: str, structured_param: str | None = 
     if out.error_type == ERROR_INVALID_REQUEST:
         message = out.error or "invalid"
         if structured_param is not None and message.startswith("structured_outputs"):
-            return APIError(400, f"{structured_param}: {message}", param=structured_param)
+            named = message if message.startswith(structured_param) else f"{structured_param}: {message}"
+            return APIError(400, named, param=structured_param)
         named = re.match(r"[a-z_]+", message)
         if named is not None and named.group(0) in SAMPLING_FIELDS:
             return APIError(400, message, param=named.group(0))
