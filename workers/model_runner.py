@@ -417,22 +417,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         sizes = self.graph_batch_sizes()
         max_bs, dev = max(sizes), self.device
-        io = self.graph_io = GraphInputs(max_bs, self.max_blocks_per_seq, self.config.max_num_seqs, dev)
-        g = self.graph_inputs = {**io.views, "block_tables": io.block_tables, "query_start_loc": io.query_start_loc}
+        self.make_graph_inputs(max_bs)
         sample = self.sampler.fused and tp_size() == 1 and not envs.eager_sampling()
         pool = None
         for bs in reversed(sizes):
-            meta = self._graph_metadata(bs)
-
-            def forward(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
-                ids = decode_input_ids(g["input_ids"][:bs], g["src_rows"][:bs], self.last_sampled)
-                return self.model(ids, g["positions"][:bs], meta)
-
-            forward()  # warm-up (kernel compilation)
+            self._graph_forward(bs)  # warm-up (kernel compilation)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = forward()
+                out = self._graph_forward(bs)
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
             if sample:
@@ -446,6 +439,19 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         log.info("rank %d captured %d CUDA graphs (batch %d..%d%s) in %.1f s", self.rank, len(sizes), min(sizes),
                  max_bs, ", sampling in graphs" if sample else "", time.perf_counter() - t0)
+
+    def make_graph_inputs(self, max_bs: int) -> None:
+        """The static inputs of the decode graphs up to batch `max_bs` (`GraphInputs`), as `graph_inputs`."""
+        io = self.graph_io = GraphInputs(max_bs, self.max_blocks_per_seq, self.config.max_num_seqs, self.device)
+        self.graph_inputs = {**io.views, "block_tables": io.block_tables, "query_start_loc": io.query_start_loc,
+                             "tokens": io.tokens}
+
+    def _graph_forward(self, bs: int) -> torch.Tensor:
+        """What a forward graph runs: the step's token ids from the graph inputs (`decode_input_ids`), then the
+        model. Returns the last hidden states `[bs, hidden]`."""
+        g = self.graph_inputs
+        ids = decode_input_ids(g["input_ids"][:bs], g["src_rows"][:bs], self.last_sampled)
+        return self.model(ids, g["positions"][:bs], self._graph_metadata(bs))
 
     def _sample_in_graph(self, hidden: torch.Tensor, bs: int) -> None:
         """What a sampling graph runs: the LM head on `hidden` `[bs, hidden]`, the fused sampler with the graph
@@ -549,15 +555,17 @@ class ModelRunner:
         return step
 
     def _upload_graph_step(self, inputs: StepInputs, graph_bs: int, seeds: np.ndarray | None
-                           ) -> tuple[torch.cuda.Event, dict[str, torch.Tensor]]:
+                           ) -> tuple[torch.cuda.Event | None, dict[str, torch.Tensor]]:
         """Copy a decode step's inputs into the graphs' static buffer (`GraphInputs`: one copy, and one on the
         device for the block table). Returns the step's start event and the index inputs' device views."""
         io = self.graph_io
         assert io is not None
         b = len(inputs.rows)
         staging, nbytes, width = io.fill(inputs, self.batch.block_table, graph_bs, seeds)
-        started = torch.cuda.Event(enable_timing=True)
-        started.record()
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         io.upload(staging, nbytes, b, width)
         g = self.graph_inputs
         return started, {name: g[name][:b] for name in ("logits_indices", "sampling_rows", "temperatures")}

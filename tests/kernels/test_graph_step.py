@@ -1,0 +1,84 @@
+"""A decode step's graph path on CPU: `ModelRunner.execute` with stand-ins for the CUDA graphs that run the
+captured functions again at replay (the forward from the static inputs, then the LM head and the fused sampler
+under the Triton interpreter). Greedy tokens must equal the eager path's, step after step, pipelined as the
+worker runs them (so each step's ids come from the device, gathered by the graph from `last_sampled`), with a
+batch padded up to the graph's size. tests/test_gpu.py checks the real graphs on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.protocol import NewRequest, StepPlan, i32
+from tests.conftest import synthetic_prompt
+from workers.model_runner import ModelRunner
+
+
+class ReplayAgain:
+    """Stands in for a captured CUDA graph: `replay()` calls the captured function again."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class CountingSampler:
+    def __init__(self, sampler) -> None:
+        self.sampler, self.calls = sampler, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampler, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.sampler(*args, **kwargs)
+
+
+def with_graph_stand_ins(runner: ModelRunner, sizes: list[int]) -> ModelRunner:
+    runner.make_graph_inputs(max(sizes))
+    for bs in sizes:
+        out = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
+        runner.graphs[bs] = (ReplayAgain(lambda bs=bs, out=out: out.copy_(runner._graph_forward(bs))), out)
+        runner.sample_graphs[bs] = ReplayAgain(lambda bs=bs, out=out: runner._sample_in_graph(out, bs))
+    return runner
+
+
+def make_runner(cfg: EngineConfig) -> ModelRunner:
+    runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+    runner.allocate_kv_cache(12)
+    return runner
+
+
+def run(runner: ModelRunner, plans: list[StepPlan], graph_steps: list[int] | None = None) -> list[list[int]]:
+    tokens, pending = [], None
+    for plan in plans:  # step N+1 is launched before step N is finalized, as in the worker
+        step = runner.execute(plan)
+        if graph_steps is not None and step.timings["graph"]:
+            graph_steps.append(plan.step_id)
+        if pending is not None:
+            tokens.append(runner.finalize(pending).tolist())
+        pending = step
+    tokens.append(runner.finalize(pending).tolist())
+    return tokens
+
+
+def test_the_graph_path_decodes_the_tokens_of_the_eager_path(tiny_qwen3: Path) -> None:
+    cfg = EngineConfig(model=str(tiny_qwen3), device="cpu", dtype="float32", block_size=16, max_model_len=128,
+                       max_num_seqs=8).resolve()
+    prompts = [synthetic_prompt(n, seed=n) for n in (5, 17, 30)]
+    plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32(range(4 * i, 4 * i + 4)), 0, len(p))
+                                       for i, p in enumerate(prompts)])]
+    plans += [StepPlan(s, decode_seq_ids=i32(range(3))) for s in range(1, 7)]
+    with torch.inference_mode():
+        eager = run(make_runner(cfg), plans)
+        runner = with_graph_stand_ins(make_runner(cfg), [4])
+        runner.sampler = CountingSampler(runner.sampler)
+        graph_steps: list[int] = []
+        graphed = run(runner, plans, graph_steps)
+    assert graph_steps == [1, 2, 3, 4, 5, 6] and runner.sampler.calls == 1  # the prefill's: the rest in "graphs"
+    assert graphed == eager
+    assert runner.graph_inputs["sampling_rows"][3] == cfg.max_num_seqs  # the padding row sampled into scratch
