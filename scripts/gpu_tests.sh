@@ -22,6 +22,9 @@ tok=${1:-${DELTASERVE_TEST_TOKENIZER:-}}
 # The GPU test files by name: collecting all of tests/ needs the HTTP test dependencies (openai), which a
 # GPU machine may lack.
 timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
+# With pytest-xdist the tests run in GPU_TEST_WORKERS processes (default 3) sharing the GPU: alone, one after the
+# other, they took more than 9 minutes on the H200 (benchmarks/RESULTS.md, 2026-12-02 third session).
+workers_flag=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-3}")
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
 demo=()
@@ -32,7 +35,7 @@ if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "
 python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" ${GATE_BACKENDS:+--backends $GATE_BACKENDS} \
     --json "$out/correctness.json" > "$out/correctness.log" 2>&1 &
 gates=$!
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag tests/test_gpu*.py tests/kernels/test_*gpu.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag $workers_flag tests/test_gpu*.py tests/kernels/test_*gpu.py 2>&1 | tee "$out/gpu_tests.log"
 status=${PIPESTATUS[0]}
 wait $gates
 correctness=$?
