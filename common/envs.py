@@ -122,6 +122,13 @@ def eager_sampling() -> bool:
     return _flag("DELTASERVE_EAGER_SAMPLING")
 
 
+def pdl() -> bool:
+    """DELTASERVE_PDL: launch the decode step's Triton kernels (the GEMVs, the QK-norm/RoPE/KV-store kernel, split-KV
+    decode attention and its combine) with programmatic dependent launch on GPUs of compute capability 9.0 and later
+    (kernels/pdl.py): each waits in the kernel for the one before it instead of at its launch. Default off."""
+    return _flag("DELTASERVE_PDL")
+
+
 def all_reduce_impl() -> str:
     """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
     GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
@@ -190,6 +197,7 @@ def check_all() -> None:
     all_reduce_impl()
     gemv_max_batch()
     eager_sampling()
+    pdl()
     step_timeout_s()
     step_timeout_floor_s()
     check_invariants()

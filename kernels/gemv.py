@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.pdl import launch_options, pdl_for
 from kernels.rounding import round_to
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -303,6 +304,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     RMS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (n, s, m): W rows [n*BLOCK_N, ...), K columns [s*k_per_split, ...), batch rows [m*BLOCK_M, ...).
     # k_per_split is a multiple of BLOCK_K, so only the last split's last tile can run past K.
@@ -317,6 +319,8 @@ def _gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w_ptr + w_rows[:, None] * K + (k_start + cols)[None, :]
+    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
+        tl.extra.cuda.gdc_wait()
     if USE_DOT:
         batch = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         # x tile transposed, [BLOCK_K, BLOCK_M]: the right operand of W [BLOCK_N, BLOCK_K] @ x.T.
@@ -359,6 +363,8 @@ def _gemv_kernel(
             acc1d += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             w_ptrs += BLOCK_K
         acc = acc1d[:, None]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # acc[i, j] = the sum over this split's K columns of W[rows[i], k] * x[batch[j], k]
     mask = (rows < N)[:, None] & (batch < M)[None, :]
     if SPLIT:
@@ -431,6 +437,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     m, n = y.shape
     k = weight.shape[1]
     interpreted = x.device.type == "cpu"
+    pdl = pdl_for(x)
     block_m = _DOT_BLOCK_M if config.use_dot else 1
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k) * config.block_k
     num_splits = triton.cdiv(k, k_per_split)
@@ -446,8 +453,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         HAS_BIAS=bias is not None, SPLIT=num_splits > 1, ONE_LAUNCH=one_launch, EVEN_K=k % config.block_k == 0,
         WIDEN_DOT=interpreted, SILU_MUL=silu_mul, RMS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if num_splits > 1 and not one_launch:
         _sum_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](

@@ -20,6 +20,7 @@ from kernels.paged_attention import (
     dot_precision,
     query_for_cache,
 )
+from kernels.pdl import launch_options, pdl_for
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
 _TARGET_PROGRAMS = 512
@@ -58,12 +59,15 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (seq, kv_head, split) owns the GROUP query heads of one KV head and the KV
     # positions [split_start, split_end) of one sequence.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
+        tl.extra.cuda.gdc_wait()
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits are whole tiles, so only the sequence's last tile needs a mask. A padding row
@@ -101,6 +105,8 @@ def _paged_decode_kernel(
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
         )
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # An empty range leaves l_i == 0 and acc == 0: its output is zero and its lse is -inf.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
@@ -127,6 +133,7 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (seq, q_head) merges NUM_SPLITS partial outputs, each normalised by its own softmax
     # sum, with weights 2^(lse_s - max lse); lse is in base 2.
@@ -135,6 +142,9 @@ def _combine_splits_kernel(
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, BLOCK_D)
     first_row = (seq * num_q_heads + head) * NUM_SPLITS
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # no loop: the successor may launch at once (it waits for this one)
     lse = tl.load(partial_lse_ptr + first_row + splits)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
@@ -243,6 +253,7 @@ def paged_attention_decode(
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_warps, num_stages = launch_config or _decode_launch_config(head_dim, k_cache.dtype, num_splits)
+    pdl = pdl_for(q)
     if num_splits == 1:
         partial_out = partial_lse = out  # unused: the kernel writes `out` directly
     else:
@@ -276,8 +287,10 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype),
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_q_heads)](
@@ -290,6 +303,8 @@ def paged_attention_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
+            PDL=pdl,
             num_warps=4,
+            **launch_options(pdl),
         )
     return out

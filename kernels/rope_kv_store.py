@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels.fp8 import e4m3_bits
 from kernels.kv_store import check_kv_cache
+from kernels.pdl import launch_options, pdl_for
 from kernels.rounding import round_to
 
 
@@ -82,6 +83,7 @@ def _qk_norm_rope_store_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (token, group): groups [0, NUM_Q_GROUPS) take HEADS_PER_PROGRAM query heads each;
     # the groups after them take as many KV heads each (k normed, rotated and stored; v stored).
@@ -92,6 +94,9 @@ def _qk_norm_rope_store_kernel(
     half_dims = tl.arange(0, BLOCK_HALF)
     dim_mask = half_dims < HALF
     rows = tl.arange(0, HEADS_PER_PROGRAM)
+    if PDL:  # kernels/pdl.py: the kernel before this one has finished; the next may launch (it waits for this one)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin_position + half_dims, mask=dim_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin_position + HALF + half_dims, mask=dim_mask, other=0.0)
@@ -235,6 +240,7 @@ def qk_norm_rope_store(
     heads_per_program = triton.next_power_of_2(heads_per_program)
     num_groups = triton.cdiv(num_heads, heads_per_program) + triton.cdiv(num_kv_heads, heads_per_program)
     block_half = triton.next_power_of_2(head_dim // 2)
+    pdl = pdl_for(qkv)
     _qk_norm_rope_store_kernel[(num_tokens, num_groups)](
         qkv,
         positions,
@@ -257,7 +263,9 @@ def qk_norm_rope_store(
         HEADS_PER_PROGRAM=heads_per_program,
         HAS_NORM=q_norm_weight is not None,
         FP8=fp8,
+        PDL=pdl,
         num_warps=max(1, min(4, heads_per_program * block_half // 64)),
         enable_fp_fusion=False,
+        **launch_options(pdl),
     )
     return q

@@ -77,7 +77,9 @@ def test_check_invariants_refuses_other_words_by_name(monkeypatch: pytest.Monkey
                                              ("DELTASERVE_CLIENT_SILENCE_S", "0"),
                                              ("DELTASERVE_CHECK_INVARIANTS", "maybe"),
                                              ("DELTASERVE_GEMV_MAX_BATCH", "-1"),
-                                             ("DELTASERVE_PROFILE_WITH_STACK", "stacks")])
+                                             ("DELTASERVE_PROFILE_WITH_STACK", "stacks"),
+                                             ("DELTASERVE_EAGER_SAMPLING", "maybe"),
+                                             ("DELTASERVE_PDL", "2")])
 def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      name: str, value: str) -> None:
     """DELTASERVE_ALL_REDUCE is only used by GPU tensor parallelism, but a typo is refused on CPU too."""
@@ -130,3 +132,17 @@ def test_an_unusable_step_log_dir_or_profile_dir_stops_the_engine_before_any_pro
     monkeypatch.delenv("DELTASERVE_STEP_LOG_DIR")
     with pytest.raises(ConfigError, match="profile_dir=.* cannot be used as a folder"):
         EngineProcesses(EngineConfig(model, device="cpu", profile_dir=str(a_file)))
+
+
+def test_pdl_is_off_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kernels import pdl
+
+    for value, requested in (("", False), ("1", True)):
+        monkeypatch.setenv("DELTASERVE_PDL", value)
+        pdl._requested.cache_clear()
+        assert envs.pdl() is requested and pdl._requested() is requested
+        assert pdl.pdl_for(torch.zeros(1)) is False  # the interpreter: no launch option, no griddepcontrol
+    pdl._requested.cache_clear()
+    assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}

@@ -210,3 +210,35 @@ def test_sampling_in_the_decode_graph_draws_the_tokens_of_eager_sampling(tiny_qw
         torch.cuda.empty_cache()
     assert results[True] == results[False]
     assert len({tuple(t) for t in results[True]}) > 3  # the tokens move: the sampled ones are not stuck
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_programmatic_dependent_launch_changes_no_bit(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      batch: int) -> None:
+    """DELTASERVE_PDL=1 (kernels/pdl.py) launches the decode kernels early, each waiting inside for the one before:
+    the same arithmetic, so the same tokens and the same hidden states, in CUDA graphs (batch 1: the fused GEMVs)."""
+    from kernels import pdl
+    from workers.model_runner import ModelRunner
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    cfg = EngineConfig(model=str(tiny_qwen3), device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
+                       max_num_seqs=4, cuda_graph_sizes=(1, 4), attention_backend="triton").resolve()
+    prompts = [synthetic_prompt(40 + 9 * i, seed=i) for i in range(batch)]
+    plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.7, 3, i32(range(8 * i, 8 * i + 8)), 0, len(p))
+                                       for i, p in enumerate(prompts)])]
+    plans += [StepPlan(s, decode_seq_ids=i32(range(batch))) for s in range(1, 16)]
+    results = {}
+    for on in (False, True):
+        monkeypatch.setenv("DELTASERVE_PDL", "1" if on else "0")
+        pdl._requested.cache_clear()
+        runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+        runner.allocate_kv_cache(64)
+        runner.capture_cuda_graphs()
+        tokens = [runner.finalize(runner.execute(plan)).tolist() for plan in plans]
+        results[on] = (tokens, runner.graphs[batch][1][:batch].float().cpu(), runner.kv_cache.float().cpu())
+        del runner
+        torch.cuda.empty_cache()
+    pdl._requested.cache_clear()
+    assert results[True][0] == results[False][0]
+    assert torch.equal(results[True][1], results[False][1]) and torch.equal(results[True][2], results[False][2])

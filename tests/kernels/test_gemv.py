@@ -232,7 +232,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.gemv as g
 
-def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False):
+def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False,
+            pdl=False):
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
            "partial_ptr": "*fp32" if split else "*bf16", "counter_ptr": "*i32" if split and one_launch else "*bf16",
            "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "h_ptr": "*bf16",
@@ -240,14 +241,16 @@ def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True,
            "eps": "fp32"}
     constexprs = {"BLOCK_M": 16 if use_dot else 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot,
                   "HAS_BIAS": has_bias, "SPLIT": split, "ONE_LAUNCH": split and one_launch, "EVEN_K": even_k,
-                  "WIDEN_DOT": False, "SILU_MUL": silu_mul, "RMS_NORM": rms_norm, "HAS_RESIDUAL": rms_norm}
+                  "WIDEN_DOT": False, "SILU_MUL": silu_mul, "RMS_NORM": rms_norm, "HAS_RESIDUAL": rms_norm,
+                  "PDL": pdl}
     sig.update({name: "constexpr" for name in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 14)}
     kernel = triton.compile(ASTSource(fn=g._gemv_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
     ops = ("wgmma.mma_async", "cp.async", "ld.global.v4", "atom.global.gpu.acq_rel", "ld.global.cg", "bar.sync",
-           "div.rn.f32", "div.full.f32", "ex2.approx", "rsqrt.approx")
+           "div.rn.f32", "div.full.f32", "ex2.approx", "rsqrt.approx", "griddepcontrol.wait",
+           "griddepcontrol.launch_dependents")
     return {op: len(re.findall(re.escape(op), ptx)) for op in ops}
 
 reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -260,7 +263,9 @@ print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
                   "fma": variant(False, True, True, False, 32, 256),
                   "fma-masked": variant(False, False, False, True, 32, 256),
                   "silu": variant(False, True, True, False, 32, 256, silu_mul=True),
-                  "norm": variant(False, True, False, True, 32, 256, rms_norm=True)}))
+                  "norm": variant(False, True, False, True, 32, 256, rms_norm=True),
+                  "norm-pdl": variant(False, True, False, True, 32, 256, rms_norm=True, pdl=True),
+                  "dot-pdl": variant(True, True, True, False, 64, 128, pdl=True)}))
 """
 
 
@@ -283,6 +288,11 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> 
     # The prologues: SiLU's division and exp as torch.compile's kernel has them, the norm's rsqrt and mean.
     assert ops["silu"]["div.full.f32"] > 0 and ops["silu"]["ex2.approx"] > 0
     assert ops["norm"]["rsqrt.approx"] > 0 and ops["norm"]["div.rn.f32"] > 0 and ops["fma"]["div.full.f32"] == 0
+    # DELTASERVE_PDL (kernels/pdl.py): the wait for the kernel before, and the early launch of the one after; none
+    # without it.
+    for name in ("norm-pdl", "dot-pdl"):
+        assert ops[name]["griddepcontrol.wait"] == 1 and ops[name]["griddepcontrol.launch_dependents"] == 1, ops[name]
+    assert ops["norm"]["griddepcontrol.wait"] == 0 and ops["dot"]["griddepcontrol.launch_dependents"] == 0
 
 
 # ---------------------------------------------------------------------------------------- fused prologues
