@@ -1,6 +1,6 @@
 """Small-batch GEMV (`kernels/gemv.py`) against cuBLAS (`F.linear`) on the linear layers of Qwen3-0.6B and 8B.
 
-    python benchmarks/gemv.py [--batches 1 2 4 8 16] [--json FILE] [--fused-only]
+    python benchmarks/gemv.py [--batches 1 2 4 8 16] [--json FILE] [--fused-only | --pdl]
 
 For each weight shape (N outputs x K inputs, bf16) and batch M: the median microseconds of one call, and the
 weight bytes read per second (TB/s; the H200 copies at about 4.25). Timing mirrors a decode step under CUDA
@@ -18,6 +18,9 @@ Then, at M = 1 (`--fused-only`: these rows alone), what a decode step of one seq
 each split layer's GEMV in one launch against the two-launch reduction, and each fused prologue (silu+down,
 norm+qkv, norm+gate_up) against the compiled layer (torch.compile, as the model runner runs it) followed by the
 GEMV; and the sum over one Qwen3-0.6B decoder layer times 28, unfused (11 launches a layer) against fused (4).
+
+`--pdl`: only each decoder layer's M = 1 GEMV launched plainly and with programmatic dependent launch
+(`DELTASERVE_PDL`, kernels/pdl.py), with the time a batch-1 step's 112 GEMVs would save.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -149,6 +153,46 @@ def fused_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> 
     return rows
 
 
+def pdl_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> list[dict]:
+    """Each Qwen3-0.6B decoder layer's GEMV at M = 1 (one launch, as a decode step runs it) launched plainly and
+    with programmatic dependent launch (DELTASERVE_PDL, kernels/pdl.py): the time of one call in a graph of
+    `args.calls` calls, and whether the outputs are the same bits."""
+    from kernels import pdl
+
+    shapes = {layer: (n, k) for model, layer, n, k in SHAPES if model == "0.6B" and layer != "lm_head"}
+    print("\nQwen3-0.6B decode GEMVs at M=1 without and with programmatic dependent launch, us a call")
+    print(f"{'layer':8} {'N x K':>13} {'plain':>8} {'PDL':>8} {'gain':>6}")
+    rows, saved = [], 0.0
+    previous = os.environ.get("DELTASERVE_PDL")
+    for layer, (n, k) in shapes.items():
+        weight_bytes = n * k * DTYPE.itemsize
+        copies = max(1, min(args.calls, -(-L2_DEFEAT_BYTES // weight_bytes)))
+        weights = [torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=DTYPE)
+        config = choose_gemv_config(1, n, k, num_sms)
+        outputs, us = [], []
+        for on in (False, True):
+            os.environ["DELTASERVE_PDL"] = "1" if on else "0"
+            pdl._requested.cache_clear()
+            outputs.append(gemv(x, weights[0], config=config))
+            us.append(time_calls(lambda w, x=x, c=config: gemv(x, w, config=c), weights, args.calls, args.reps))
+        same = torch.equal(outputs[0], outputs[1])
+        saved += STEP_LAYERS[layer] * (us[0] - us[1])
+        rows.append(dict(model="0.6B", layer=layer, n=n, k=k, m=1, kernel="pdl", us=us[1], plain_us=us[0],
+                         same_bits=same))
+        print(f"{layer:8} {n:>6}x{k:<6} {us[0]:8.2f} {us[1]:8.2f} {us[0] / us[1]:5.2f}x  "
+              f"{'same bits' if same else 'OTHER BITS'}")
+        del weights
+        torch.cuda.empty_cache()
+    if previous is None:
+        os.environ.pop("DELTASERVE_PDL", None)
+    else:
+        os.environ["DELTASERVE_PDL"] = previous
+    pdl._requested.cache_clear()
+    print(f"a batch-1 decode step's 112 GEMVs: {saved:.1f} us saved by PDL")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -156,6 +200,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="graph replays timed per measurement")
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--fused-only", action="store_true", help="only the M = 1 rows of the fused decode layers")
+    parser.add_argument("--pdl", action="store_true",
+                        help="only the M = 1 GEMVs without and with programmatic dependent launch (DELTASERVE_PDL)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py needs a CUDA GPU")
@@ -169,8 +215,8 @@ def main() -> None:
     print(header)
     rows: list[dict] = []
     started = time.perf_counter()
-    if args.fused_only:
-        rows += fused_rows(args, device, num_sms)
+    if args.fused_only or args.pdl:
+        rows += fused_rows(args, device, num_sms) if args.fused_only else pdl_rows(args, device, num_sms)
         print(f"({time.perf_counter() - started:.0f} s)")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
