@@ -239,9 +239,13 @@ class GenerateRequest:
     max_tokens_within_context: bool = False
 
 
+NOT_RUN = "not run: "  # the error of a valid request of an all-or-nothing submission that another one sank
+
+
 @_message
 class Submit:
-    """Client -> frontend: new requests. With `all_or_nothing`, one invalid request rejects all."""
+    """Client -> frontend: new requests. With `all_or_nothing`, one invalid request rejects all: the valid ones end
+    with an error starting with `NOT_RUN` that names the one rejected first."""
 
     requests: list[GenerateRequest]
     all_or_nothing: bool = False

@@ -33,9 +33,11 @@ import zmq.asyncio
 
 from common import ipc
 from common.curve import CurveKeys
+from common.errors import quote
 from common.protocol import (
     ERROR_ENGINE_DOWN,
     ERROR_INVALID_REQUEST,
+    NOT_RUN,
     Abort,
     Detokenize,
     DetokenizeResult,
@@ -181,11 +183,12 @@ class AsyncEngineClient:
         return f"{self._prefix}-{next(self._ids)}"
 
     # ------------------------------------------------------------------ requests
-    def submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+    def submit(self, requests: list[GenerateRequest], all_or_nothing: bool = False) -> list[RequestStream]:
         """Send `requests` in one message; returns their streams, in order. A request that cannot be
         encoded (text with a lone surrogate, a number past 64 bits) is not sent: its stream ends at once
-        with an `ERROR_INVALID_REQUEST` error naming the field. Raises `EngineUnavailable` if the engine
-        is not serving."""
+        with an `ERROR_INVALID_REQUEST` error naming the field (with `all_or_nothing`, none is sent and every
+        other stream ends with a `NOT_RUN` error). `all_or_nothing`: if the engine refuses one request, it
+        runs none of them (`Submit`). Raises `EngineUnavailable` if the engine is not serving."""
         if not self.serving:
             raise EngineUnavailable(self.down_reason or "the engine is starting")
         streams = []
@@ -194,20 +197,27 @@ class AsyncEngineClient:
             self._streams[req.request_id] = stream
             streams.append(stream)
         try:
-            data = encode(Submit(requests))
+            data = encode(Submit(requests, all_or_nothing=all_or_nothing))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
-            sendable = []
+            sendable, unsendable = [], []
             for req, stream in zip(requests, streams):
                 why = wire_error(req)
                 if why is None:
-                    sendable.append(req)
+                    sendable.append((req, stream))
                 else:
+                    unsendable.append(req.request_id)
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error",
                                               error=f"this request cannot be sent: {why}",
                                               error_type=ERROR_INVALID_REQUEST))
+            if all_or_nothing:
+                why = f"{NOT_RUN}request {quote(unsendable[0])} of the same all-or-nothing submission was rejected"
+                for req, stream in sendable:
+                    stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error", error=why,
+                                              error_type=ERROR_INVALID_REQUEST))
+                return streams
             if not sendable:
                 return streams
-            data = encode(Submit(sendable))
+            data = encode(Submit([req for req, _ in sendable]))
         self._send_bytes(data)
         return streams
 

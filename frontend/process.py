@@ -40,6 +40,7 @@ from common.protocol import (
     ERROR_INVALID_REQUEST,
     ERROR_OVERLOADED,
     MAX_REQUEST_ID_CHARS,
+    NOT_RUN,
     Abort,
     AbortSeqs,
     AddRequests,
@@ -411,7 +412,7 @@ class FrontendProcess:
             accepted.append(engine_req)
         if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
             first = rejected[0].request_id if rejected else taken[0]
-            why = f"not run: request {quote(first)} of the same all-or-nothing submission was rejected"
+            why = f"{NOT_RUN}request {quote(first)} of the same all-or-nothing submission was rejected"
             for engine_req in accepted:
                 state = self.requests.pop(engine_req.seq_id)
                 del self.by_client[(client, state.request_id)]

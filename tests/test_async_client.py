@@ -15,6 +15,7 @@ import zmq
 from common.protocol import (
     ERROR_ENGINE_DOWN,
     ERROR_INVALID_REQUEST,
+    NOT_RUN,
     Abort,
     EngineInfo,
     GenerateRequest,
@@ -153,6 +154,23 @@ def test_a_request_that_cannot_be_encoded_fails_alone_and_is_not_sent(frontend: 
     assert good.text == "fine" and good.error is None
     assert bad.error_type == ERROR_INVALID_REQUEST and "lone surrogate" in bad.error
     assert frontend.submitted == [good.request_id]
+
+
+def test_all_or_nothing_a_request_that_cannot_be_encoded_sends_none(frontend: FakeFrontend) -> None:
+    async def run() -> list[RequestOutput]:
+        client = await started(frontend)
+        try:
+            good, bad = client.submit([GenerateRequest(client.new_request_id(), prompt="fine"),
+                                       GenerateRequest(client.new_request_id(), prompt="lone \ud800")],
+                                      all_or_nothing=True)
+            return [await good.next_output(), await bad.next_output()]
+        finally:
+            await client.close()
+
+    good, bad = asyncio.run(run())
+    assert "lone surrogate" in bad.error and good.error.startswith(NOT_RUN) and bad.request_id in good.error
+    assert good.finished and good.error_type == ERROR_INVALID_REQUEST
+    assert frontend.submitted == []
 
 
 def test_a_silent_frontend_ends_open_requests_and_refuses_new_ones(frontend: FakeFrontend) -> None:

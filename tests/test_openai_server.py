@@ -468,6 +468,25 @@ def test_a_refused_request_counts_as_a_failure_not_a_success(server: HTTPServer,
     assert all(after[k] == before[k] for k in successes)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_prompt_of_several_runs_none_of_them(server: HTTPServer, client: openai.OpenAI,
+                                                        stream: bool) -> None:
+    """One 400 for the call, so its valid prompts must not run: they would spend the engine's time on an answer
+    the client never gets, and count as successes in /metrics."""
+    before = server.wait_metrics(idle)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=["Hi", "", "Hello there"], max_tokens=3, stream=stream,
+                                  extra_body={"ignore_eos": True})
+    assert err.value.body["message"].startswith("prompt[1]: ") and err.value.body["param"] == "prompt"
+    failures = "deltaserve:request_failure_total"
+    after = server.wait_metrics(lambda m: idle(m) and m[failures] >= before[failures] + 3)
+    assert after[failures] == before[failures] + 3  # the refused prompt and the two it sank
+    assert after["deltaserve:generation_tokens_total"] == before["deltaserve:generation_tokens_total"]
+    assert all(after[k] == before[k] for k in after if k.startswith("deltaserve:request_success_total"))
+    out = client.completions.create(model="tiny", prompt=["Hi", "Hello there"], max_tokens=2)  # still serving
+    assert len(out.choices) == 2
+
+
 def test_a_prompt_and_max_tokens_beyond_the_context_is_a_400_as_in_vllm(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # 500 + 16 (the completions default) > 512
         client.completions.create(model="tiny", prompt=[7] * 500)

@@ -38,6 +38,7 @@ from common.protocol import (
     ERROR_ENGINE_DOWN,
     ERROR_INVALID_REQUEST,
     ERROR_OVERLOADED,
+    NOT_RUN,
     GenerateRequest,
     ProfileStatus,
     RequestOutput,
@@ -422,8 +423,10 @@ def build_app(state: ServerState) -> FastAPI:
         return names[0]
 
     def submit(requests: list[GenerateRequest]) -> list[RequestStream]:
+        """The prompts of one HTTP request go all or nothing: a refused one fails the call with a 400, so the others
+        must not run (and count as successes) for an answer the client never gets."""
         try:
-            return client.submit(requests)
+            return client.submit(requests, all_or_nothing=len(requests) > 1)
         except EngineUnavailable as exc:
             raise unavailable(str(exc)) from None
 
@@ -509,7 +512,8 @@ def build_app(state: ServerState) -> FastAPI:
         handed_over = False
         try:
             outs = await until_disconnect(request, first_outputs(streams) if stream else final_outputs(streams))
-            bad = next((i for i, o in enumerate(outs) if failed(o)), None)
+            bad = next((i for i, o in enumerate(outs) if failed(o) and not (o.error or "").startswith(NOT_RUN)),
+                       next((i for i, o in enumerate(outs) if failed(o)), None))  # the refused one, not those it sank
             if bad is not None:
                 raise engine_error(outs[bad], param, structured_param, bad if len(outs) > 1 else None)
             if not stream:
