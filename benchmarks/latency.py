@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+DEFAULT_PROFILE_STEPS = "1200:1240"  # the engine numbers its steps from the start, warm-up iterations included
+
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
     """mean, p50 and p99 of `values`; None if there are none."""
@@ -197,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile-dir", default=None,
                     help="profile the run into this folder (README: Profiling); a profiled run is slower")
-    ap.add_argument("--profile-steps", default="1200:1240",
-                    help="with --profile-dir: the engine steps traced, A:B (default: inside the third iteration of "
-                         "a 512-token batch-1 run)")
+    ap.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help=f"with --profile-dir: trace the engine's steps A..B-1 (default {DEFAULT_PROFILE_STEPS}: the "
+                         "third iteration of a batch-1 run of 512 output tokens, after two warm-up iterations)")
     args = ap.parse_args(argv)
     for name in ("input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:
@@ -208,7 +210,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--batch-size must be at least 1")
     if args.num_iters_warmup < 0:
         ap.error("--num-iters-warmup must be at least 0")
-    results = run(args)
+    from common.config import ConfigError, parse_profile_steps
+
+    if args.profile_dir is None and args.profile_steps is not None:
+        ap.error("--profile-steps needs --profile-dir")
+    args.profile_steps = args.profile_steps or DEFAULT_PROFILE_STEPS
+    try:
+        parse_profile_steps(args.profile_steps)
+        results = run(args)
+    except ConfigError as exc:  # a bad setting the engine refuses (device, profile folder, ...): one line
+        ap.error(str(exc))
     for result in results:
         report(result)
     print(json.dumps(results))

@@ -54,3 +54,12 @@ def test_a_profiled_run_traces_the_steps_it_names(tiny_qwen3: Path, tmp_path: Pa
     summary = (tmp_path / "prof" / "summary.txt").read_text()
     assert "steps 12..15" in summary
     assert (tmp_path / "prof" / "worker-tp0.pt.trace.json.gz").exists()
+
+
+def test_bad_profiling_flags_are_one_line_errors(tiny_qwen3: Path) -> None:
+    for flags, message in ((["--profile-steps", "3:6"], "--profile-steps needs --profile-dir"),
+                           (["--profile-dir", "/tmp", "--profile-steps", "6:3"], "profile_steps must be 'A:B'"),
+                           (["--device", "gpu"], "device must be one of")):
+        done = subprocess.run([sys.executable, "benchmarks/latency.py", "--model", str(tiny_qwen3), *flags],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
