@@ -9,14 +9,38 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
-try:  # a Ctrl-C while these load (numpy, transformers' config: ~1 s) exits as one after start-up does: 130, quietly
+_sigint_during_imports = False
+
+
+def _note_sigint(signum: int, frame: object) -> None:
+    global _sigint_during_imports
+    _sigint_during_imports = True
+    raise KeyboardInterrupt
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Whether `exc` is a Ctrl-C, or an error raised because of one: Python wraps an exception raised while a class
+    body is set up (`__set_name__`, a dataclass field) in a RuntimeError whose cause is the KeyboardInterrupt."""
+    for _ in range(8):
+        if exc is None or isinstance(exc, KeyboardInterrupt):
+            return exc is not None
+        exc = exc.__cause__
+    return False
+
+
+# A Ctrl-C while these load (numpy, transformers' config: ~1 s) exits as one after start-up does: 130, quietly; the
+# handler notes it, since a module being set up may turn the KeyboardInterrupt into another error.
+_default_sigint = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if _default_sigint:
+    signal.signal(signal.SIGINT, _note_sigint)
+try:
     import argparse
     import json
     import os
     import shlex
-    import signal
     import time
     from typing import Any
 
@@ -35,8 +59,12 @@ try:  # a Ctrl-C while these load (numpy, transformers' config: ~1 s) exits as o
     from common.sampling_params import SamplingParams
     from common.units import count
     from frontend.cli import ArgumentParser, HelpFormatter
-except KeyboardInterrupt:
-    sys.exit(130)
+except BaseException as exc:
+    if _sigint_during_imports or _interrupted(exc):
+        sys.exit(130)
+    raise
+if _default_sigint:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 PROGRESS_REFRESH_S = 0.2  # the one-shot progress bar shows the output tokens so far this often (seconds)
 DEMO_PROMPTS = [
