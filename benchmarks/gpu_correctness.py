@@ -297,6 +297,7 @@ def random_weights_gate(model: str, backends: list[str], device: str, dtype: str
                     hf_reference(model, prompts, getattr(torch, dtype), "eager", device), ref),
             compare("transformers fp32", hf_reference(model, prompts, torch.float32, "sdpa", device), ref)]
     print(f"references done in {time.perf_counter() - t0:.0f} s", flush=True)
+    plain_runs: dict[tuple[str, bool], GreedyRun] = {}  # (backend, eager) -> the run with a model-dtype KV cache
     for name, backend, eager, kv in our_runs(backends, dtype):
         t0 = time.perf_counter()
         try:
@@ -309,6 +310,13 @@ def random_weights_gate(model: str, backends: list[str], device: str, dtype: str
         row["pass"] = row["rule_ok"] == row["prompts"] and row["first_step_rel_err_max"] <= rtol
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if kv == "auto":
+            plain_runs[(backend, eager)] = run
+        elif (backend, eager) in plain_runs:  # for information (no verdict): fp8 against our own bf16 KV, as gate 2
+            plain = as_reference(plain_runs[(backend, eager)])
+            row = {**compare(f"{name} vs KV {SHORT_DTYPE.get(dtype, dtype)}", run, plain), "pass": None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print_table(f"gate 1, random weights: against transformers {dtype} (SDPA), {NEW_TOKENS} greedy tokens; first-step "
                 f"logits within {RTOL_FIRST_STEP:g} (fp8 KV: {RTOL_FIRST_STEP_FP8:g})", rows, NEW_TOKENS)
     return rows
