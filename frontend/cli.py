@@ -4,6 +4,7 @@ option's default, errors in one line, and messages that name the option a user t
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -16,13 +17,29 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def readme_section(name: str) -> str:
+    """"README.md, <section>": the section of the repository's README that first mentions `name` (just "README.md"
+    where the file or the name is not found)."""
+    section = None
+    try:
+        with open(Path(__file__).resolve().parents[1] / "README.md", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("## "):
+                    section = line[3:].strip()
+                elif name in line:
+                    return f"README.md, {section}" if section else "README.md"
+    except OSError:
+        pass
+    return "README.md"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose errors are one line and a pointer to --help, exit status 2: the
     usage block of every option printed before a one-line mistake buried the mistake."""
 
     def error(self, message: str) -> NoReturn:
-        # A bad environment variable is not among the options --help lists: point at README's list instead.
-        where = "README.md, Engine settings" if message.startswith("DELTASERVE_") else "see --help"
+        # A bad environment variable is not among the options --help lists: point at README's section on it.
+        where = readme_section(message.split()[0]) if message.startswith("DELTASERVE_") else "see --help"
         self.exit(2, f"{self.prog}: error: {message} ({where})\n")
 
     def option_error(self, message: str) -> NoReturn:

@@ -167,6 +167,14 @@ def test_a_bad_environment_variable_is_one_line_pointing_to_the_readme_not_to_he
     assert result.stderr.count("\n") == 1
 
 
+def test_a_bad_environment_variable_points_to_the_readme_section_that_documents_it() -> None:
+    from frontend.cli import readme_section
+
+    assert readme_section("DELTASERVE_CLIENT_SILENCE_S") == "README.md, Using it"
+    assert readme_section("DELTASERVE_HTTP_MAX_BODY_MB") == "README.md, The OpenAI-compatible HTTP server"
+    assert readme_section("DELTASERVE_NO_SUCH_VARIABLE") == "README.md"
+
+
 def test_a_ctrl_c_wrapped_by_a_class_body_still_counts_as_a_ctrl_c() -> None:
     """Python 3.11 wraps an exception raised in `__set_name__` (a dataclass being defined while a module imports)
     in a RuntimeError: one run of the test above hit exactly that at 0.1 s and printed a traceback."""
