@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
-from common.protocol import NewRequest, StepPlan, i32
+from common.protocol import NewRequest, SamplingOptions, StepPlan, i32
 from tests.conftest import synthetic_prompt
 from workers.model_runner import ModelRunner
 
@@ -82,3 +82,25 @@ def test_the_graph_path_decodes_the_tokens_of_the_eager_path(tiny_qwen3: Path) -
     assert graph_steps == [1, 2, 3, 4, 5, 6] and runner.sampler.calls == 1  # the prefill's: the rest in "graphs"
     assert graphed == eager
     assert runner.graph_inputs["sampling_rows"][3] == cfg.max_num_seqs  # the padding row sampled into scratch
+
+
+def test_rows_with_logits_processing_sample_eagerly_after_the_forward_graph(tiny_qwen3: Path) -> None:
+    """A step with a processed row (here a repetition penalty, and logprobs) replays only the forward graph and
+    samples on the eager path, from the graph's hidden states and the static inputs' index views: the tokens
+    and logprobs of a run without graphs."""
+    cfg = EngineConfig(model=str(tiny_qwen3), device="cpu", dtype="float32", block_size=16, max_model_len=128,
+                       max_num_seqs=8).resolve()
+    prompts = [synthetic_prompt(n, seed=n) for n in (9, 21)]
+    options = [SamplingOptions(repetition_penalty=1.3, logprobs=2), None]
+    plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32(range(4 * i, 4 * i + 4)), 0, len(p),
+                                                  options[i]) for i, p in enumerate(prompts)])]
+    plans += [StepPlan(s, decode_seq_ids=i32(range(2))) for s in range(1, 6)]
+    with torch.inference_mode():
+        eager_runner = make_runner(cfg)
+        eager = run(eager_runner, plans)
+        runner = with_graph_stand_ins(make_runner(cfg), [2])
+        runner.sampler = CountingSampler(runner.sampler)
+        graph_steps: list[int] = []
+        graphed = run(runner, plans, graph_steps)
+    assert graph_steps == [1, 2, 3, 4, 5] and runner.sampler.calls == 6  # every step sampled eagerly
+    assert graphed == eager
