@@ -862,6 +862,19 @@ def test_response_format_json_object_and_vllm_guided_fields_constrain_the_output
     assert len(done.choices[0].text) == 4 and done.choices[0].text.isdigit()
 
 
+def test_response_format_constrains_completions_too_as_in_vllm(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    done = client.completions.create(model="tiny", prompt="A person:", temperature=0, max_tokens=60, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+    assert done.choices[0].finish_reason == "stop", done.choices[0]
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
+    assert err.value.body["param"] == "guided_regex"
+
+
 def test_a_schema_the_library_cannot_compile_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
     bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
     with pytest.raises(openai.BadRequestError) as err:

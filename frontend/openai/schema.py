@@ -34,6 +34,21 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JSONSchemaFormat(RequestModel):
+    """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the engine is always strict)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # pydantic's own `schema`
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(RequestModel):
     """The sampling fields shared by completions and chat completions."""
 
@@ -60,7 +75,9 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # not with stream=true (vLLM)
-    # vLLM's structured-output fields (frontend/openai/params.py: at most one of them, or response_format)
+    # OpenAI's structured output (vLLM takes it on completions too), and vLLM's structured-output fields
+    # (frontend/openai/params.py: at most one of them)
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields: {"json": schema}, ...
     guided_json: dict[str, Any] | str | None = None  # a JSON schema
     guided_regex: str | None = None
@@ -92,21 +109,6 @@ class ChatMessage(RequestModel):
     name: str | None = None
 
 
-class JSONSchemaFormat(RequestModel):
-    """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the engine is always strict)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True)
-    name: str = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # pydantic's own `schema`
-    strict: bool | None = None
-
-
-class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: `messages` rendered by the model's chat template."""
 
@@ -115,7 +117,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None  # OpenAI's older name
     max_completion_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
