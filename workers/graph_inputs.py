@@ -29,12 +29,19 @@ from workers.input_batch import StepInputs
 FIELDS = (("input_ids", np.int64), ("src_rows", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
           ("logits_indices", np.int64), ("sampling_rows", np.int64), ("seeds", np.int64),
           ("seq_lens", np.int32), ("temperatures", np.float32))
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
-_ALIGN = 16  # bytes: Triton specializes kernels on 16-byte pointer alignment (see model_runner._PACK_ALIGN)
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                np.dtype(np.float32): torch.float32}
+# Bytes: every input packed into one buffer (here, and a step's eager inputs in model_runner.HostBuffers) starts at
+# a multiple. Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so the views must be
+# aligned alike at every batch: at 8 bytes their alignment changed with the step's sizes, and each new combination
+# compiled the prefill and sampling kernels anew mid-run (steps of 0.4-1.9 s on the H200, 6 s of a 12.9 s
+# reference run; benchmarks/RESULTS.md, 2026-12-02 third session).
+PACK_ALIGN = 16
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of PACK_ALIGN."""
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
 
 
 @dataclass
@@ -68,11 +75,11 @@ class GraphInputs:
         offset = 0
         for name, dtype in FIELDS:
             self.layout[name] = (offset, np.dtype(dtype))
-            offset += _aligned(max_bs * np.dtype(dtype).itemsize)
+            offset += aligned(max_bs * np.dtype(dtype).itemsize)
         self.fields_nbytes = offset
         self.nbytes = offset + max_bs * max_blocks * 4
         self.packed = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
-        self.views = {name: self.packed[o: o + max_bs * dt.itemsize].view(_TORCH[dt])
+        self.views = {name: self.packed[o: o + max_bs * dt.itemsize].view(TORCH_DTYPES[dt])
                       for name, (o, dt) in self.layout.items()}
         self.views["slot_mapping"].fill_(-1)
         self.views["src_rows"].fill_(-1)

@@ -38,7 +38,7 @@ from common.protocol import GrammarCompiled, Logprobs, StepPlan, f32, i32
 from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
-from workers.graph_inputs import GraphInputs, decode_input_ids
+from workers.graph_inputs import TORCH_DTYPES, GraphInputs, aligned, decode_input_ids
 from workers.input_batch import InputBatch, ReqState, StepInputs
 from workers.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv_cache
 from workers.layers.fused import enable_compilation
@@ -154,11 +154,6 @@ _UPLOADS = (("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", n
             ("gpu_token_index", np.int64), ("gpu_token_rows", np.int64), ("logits_indices", np.int64),
             ("sampling_rows", np.int64), ("temperatures", np.float32))
 _INDEX_INPUTS = ("gpu_token_index", "gpu_token_rows", "logits_indices", "sampling_rows", "temperatures")
-# Bytes: every packed input starts at a multiple. Triton specializes a kernel on whether each pointer argument
-# is 16-byte aligned, so the views must be aligned alike at every batch: at 8 bytes their alignment changed with
-# the step's sizes, and each new combination compiled the prefill and sampling kernels anew mid-run (steps of
-# 0.4-1.9 s on the H200, 6 s of a 12.9 s reference run; benchmarks/RESULTS.md, 2026-12-02 third session).
-_PACK_ALIGN = 16
 
 
 class HostBuffers:
@@ -174,7 +169,7 @@ class HostBuffers:
                     "query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "block_tables": max_seqs * max_blocks,
                     "gpu_token_index": max_tokens, "gpu_token_rows": max_tokens, "logits_indices": max_seqs,
                     "sampling_rows": max_seqs, "temperatures": max_seqs}
-        nbytes = sum(_aligned(capacity[name] * np.dtype(dtype).itemsize) for name, dtype in _UPLOADS)
+        nbytes = sum(aligned(capacity[name] * np.dtype(dtype).itemsize) for name, dtype in _UPLOADS)
         self.packed = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._packed_np = self.packed.numpy()
         self.sampled = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
@@ -191,16 +186,8 @@ class HostBuffers:
             np.copyto(self._packed_np[offset: offset + count * np.dtype(dtype).itemsize].view(dtype),
                       arr.reshape(-1), casting="same_kind")
             layout[name] = (offset, count, np.dtype(dtype))
-            offset += _aligned(count * np.dtype(dtype).itemsize)
+            offset += aligned(count * np.dtype(dtype).itemsize)
         return offset, layout
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
 
 
 def _host_memory_available() -> int | None:
@@ -535,8 +522,8 @@ class ModelRunner:
         self.phases.begin("sample", plan.step_id)
         if sample_graph is not None:
             sample_graph.replay()
-            (tokens_host, event), logprobs_host, prompt_logprobs_host = self._tokens_to_host(
-                host, self.graph_inputs["tokens"][: len(inputs.rows)]), None, None
+            tokens_host, event = self._tokens_to_host(host, self.graph_inputs["tokens"][: len(inputs.rows)])
+            logprobs_host = prompt_logprobs_host = None
         else:
             tokens_host, event, logprobs_host, prompt_logprobs_host = self._sample(inputs, host, hidden, dev_idx)
         if started is not None:
@@ -590,7 +577,7 @@ class ModelRunner:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         packed = host.packed[:nbytes].to(dev, non_blocking=True)
-        on_dev = {name: packed[offset: offset + count * dtype.itemsize].view(_TORCH_DTYPES[dtype])
+        on_dev = {name: packed[offset: offset + count * dtype.itemsize].view(TORCH_DTYPES[dtype])
                   for name, (offset, count, dtype) in layout.items()}
         input_ids, positions, slot_mapping = on_dev["input_ids"], on_dev["positions"], on_dev["slot_mapping"]
         qsl, seq_lens = on_dev["query_start_loc"], on_dev["seq_lens"]
@@ -635,7 +622,7 @@ class ModelRunner:
         logprobs to the host. Returns them and the event that marks their arrival (None on CPU)."""
         prompt_lp = self._prompt_logprobs(inputs, hidden) if inputs.prompt_logprobs is not None else None
         s = len(inputs.sampling_rows)
-        out = lp_host = None
+        out = event = lp_host = None
         if s:
             logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
             all_greedy = not bool((inputs.temperatures > 0).any())
@@ -661,14 +648,11 @@ class ModelRunner:
                                              np.ones(len(h.logprob_rows), np.int32), h.logprob_counts,
                                              *(self._to_host(t) for t in lp))
             self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
-            if prompt_lp is None:
-                return (*self._tokens_to_host(host, tokens), lp_host, None)
-            out = host.sampled[:s]
-            out.copy_(tokens, non_blocking=self.device.type == "cuda")
-        if self.device.type != "cuda" or (out is None and prompt_lp is None):
-            return out, None, lp_host, prompt_lp
-        event = torch.cuda.Event()
-        event.record()
+            # Its event comes after the copies of the logprobs and prompt logprobs, launched before it.
+            out, event = self._tokens_to_host(host, tokens)
+        elif prompt_lp is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
         return out, event, lp_host, prompt_lp
 
     def _tokens_to_host(self, host: HostBuffers, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
