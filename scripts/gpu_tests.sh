@@ -22,16 +22,17 @@ tok=${1:-${DELTASERVE_TEST_TOKENIZER:-}}
 # The GPU test files by name: collecting all of tests/ needs the HTTP test dependencies (openai), which a
 # GPU machine may lack.
 timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
-# With pytest-xdist the tests run in GPU_TEST_WORKERS processes (default 3) sharing the GPU: alone, one after the
-# other, they took more than 9 minutes on the H200 (benchmarks/RESULTS.md, 2026-12-02 third session).
+# With pytest-xdist the tests run in GPU_TEST_WORKERS processes (default 3) sharing the GPU: in one process, beside
+# the gates, 33 of them ran in the 525 s a call left them on the H200 (benchmarks/RESULTS.md, 2026-12-02 third
+# session), fewer than all.
 workers_flag=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-3}")
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
 demo=()
 if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "${DEMO_GGUF:-}" ]; then demo=(--demo-gguf "$DEMO_GGUF"); fi
-# The gates run beside the tests (one GPU holds both: the tests' engines take 1 GiB KV caches): one after the
-# other they took about 13 minutes on the H200, more than one call of a 10-minute device lease. Their output is
-# printed when they end. GATE_BACKENDS narrows the gates' backends (default: all of them).
+# The gates run beside the tests (one GPU holds both: the tests' engines take 1 GiB KV caches): on the H200 they
+# took about 5 minutes and the tests more than the rest of a 10-minute device call, so one after the other they do
+# not fit one call. Their output is printed when they end. GATE_BACKENDS narrows the gates' backends (default: all).
 python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" ${GATE_BACKENDS:+--backends $GATE_BACKENDS} \
     --json "$out/correctness.json" > "$out/correctness.log" 2>&1 &
 gates=$!
