@@ -134,12 +134,12 @@ def test_an_unusable_step_log_dir_or_profile_dir_stops_the_engine_before_any_pro
         EngineProcesses(EngineConfig(model, device="cpu", profile_dir=str(a_file)))
 
 
-def test_pdl_is_off_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_is_on_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from kernels import pdl
 
-    for value, requested in (("", False), ("1", True)):
+    for value, requested in (("", True), ("1", True), ("0", False), ("off", False)):
         monkeypatch.setenv("DELTASERVE_PDL", value)
         pdl._requested.cache_clear()
         assert envs.pdl() is requested and pdl._requested() is requested
