@@ -23,8 +23,8 @@ tok=${1:-${DELTASERVE_TEST_TOKENIZER:-}}
 # GPU machine may lack.
 timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
 # With pytest-xdist the tests run in GPU_TEST_WORKERS processes (default 3) sharing the GPU: in one process, beside
-# the gates, 33 of them ran in the 525 s a call left them on the H200 (benchmarks/RESULTS.md, 2026-12-02 third
-# session), fewer than all.
+# the gates, only 33 of them ran in the 525 s a call left them on the H200; in three, all 100 ran in 163 s and the
+# whole check took 193 s (benchmarks/RESULTS.md, 2026-12-02 third and fourth sessions).
 workers_flag=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-3}")
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
