@@ -246,18 +246,21 @@ def _input_features(x_ptr, res_ptr, norm_w_ptr, offs, K, inv_rms, MASKED: tl.con
     # float32 input features `offs` of one batch row, as the layer before the GEMV rounds them to x's dtype.
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     if SILU_MUL:
-        # x_ptr: the row of [gate | up], 2K wide. silu(g) * u = g / (1 + exp(-g)) * u in float32, rounded once:
-        # the code torch.compile generates for workers/layers/activation.py (its SiLU decomposition, libdevice's
-        # exp, Triton's float32 division), which keeps silu(g) in float32 for the multiply.
+        # x_ptr: the row of [gate | up], 2K wide. silu(g) = g / (1 + exp(-g)) in float32 rounded to the model
+        # dtype, times u in float32, rounded again: eager torch's roundings, which workers/layers/activation.py
+        # keeps compiled (emulate_precision_casts), with the code torch.compile generates for it (its SiLU
+        # decomposition, libdevice's exp, Triton's float32 division).
         g = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
         u = _load_features(x_ptr + K, offs, K, MASKED).to(tl.float32)
-        features = round_to(g / (1.0 + _exp(-g)) * u, dtype).to(tl.float32)
+        silu = round_to(g / (1.0 + _exp(-g)), dtype).to(tl.float32)
+        features = round_to(silu * u, dtype).to(tl.float32)
     elif RMS_NORM:
-        # weight * (h * inv_rms) in float32, rounded once, as torch.compile's kernel of workers/layers/norm.py
-        # rounds it (eager torch rounds h * inv_rms first).
+        # weight * round(h * inv_rms), rounded: eager torch's two roundings, which workers/layers/norm.py keeps
+        # compiled (emulate_precision_casts).
         h = _residual_sum(x_ptr, res_ptr, offs, K, MASKED, HAS_RESIDUAL).to(tl.float32)
         w = _load_features(norm_w_ptr, offs, K, MASKED).to(tl.float32)
-        features = round_to(w * (h * inv_rms), dtype).to(tl.float32)
+        normed = round_to(h * inv_rms, dtype).to(tl.float32)
+        features = round_to(w * normed, dtype).to(tl.float32)
     else:
         features = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
     return features
@@ -521,12 +524,10 @@ def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
                       config: GemvConfig | None = None) -> torch.Tensor:
     """`gemv(silu_and_mul(gate_up), weight, bias)` in one kernel: SwiGLU's gate computed as the GEMV loads it.
 
-    Input feature k is `silu(gate[k]) * up[k] = gate[k] / (1 + exp(-gate[k])) * up[k]`, computed in float32 and
-    rounded once to the model dtype: what `workers/layers/activation.py`'s `silu_and_mul` gives compiled, as it
-    runs on a GPU (torch.compile keeps the float32 silu for the multiply, "eliding the downcast-upcast pair";
-    eager torch, the CPU path, rounds it to the model dtype first, so there the two differ by one rounding in a
-    quarter of the features). Checked against torch 2.13's inductor on CPU; on the GPU inductor's source gives
-    the same operations (tests/kernels/test_gemv_gpu.py compares them).
+    Input feature k is `silu(gate[k]) * up[k]` with `silu(g) = g / (1 + exp(-g))` computed in float32 and
+    rounded to the model dtype, then the product computed in float32 and rounded: the roundings of eager torch,
+    which `workers/layers/activation.py`'s `silu_and_mul` keeps when compiled on a GPU (workers/layers/fused.py:
+    `emulate_precision_casts`); tests/kernels/test_gemv_gpu.py compares the two there.
 
     Args:
         gate_up: `[M, 2K]` bfloat16 or float16, `[gate | up]` (MergedColumnParallelLinear's output), stride 1 in
@@ -560,9 +561,8 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
     As `workers/layers/norm.py`'s `add_rms_norm` computes it compiled (as it runs on a GPU): h = x + residual
     rounded to the model dtype; then, in float32, inv_rms = rsqrt(mean(h^2) + eps) (Zhang & Sennrich 2019) and
-    feature k = norm_weight[k] * (h[k] * inv_rms), rounded once to the model dtype (torch.compile keeps the
-    float32 product; eager torch rounds h * inv_rms to the model dtype first, which changes a quarter of the
-    features by one rounding). Every program computes inv_rms from the whole row itself; the row's first program
+    feature k = norm_weight[k] * round(h[k] * inv_rms), rounded to the model dtype: eager torch's roundings,
+    which the compiled layer keeps (workers/layers/fused.py: `emulate_precision_casts`). Every program computes inv_rms from the whole row itself; the row's first program
     writes h to a new tensor (never into x or residual, which other programs are still reading). The mean
     square's summation order is the kernel's own, so a feature can differ from the unfused layer's by one
     rounding where inv_rms differs in its last bits (about 1 in 100 features at K = 1024).

@@ -35,6 +35,28 @@ def test_a_divergence_to_a_token_outside_the_other_runs_top5_fails(ours: list[in
     assert result["position"] == 1 and not result["ok"]
 
 
+def test_the_fp8_rule_takes_top8_as_vllms_fp8_test_does() -> None:
+    ours_top = [[7, 1, 2, 3, 4, 5, 6, 8]]
+    ref_top = [[1, 2, 3, 4, 5, 6, 7, 9]]  # 7 is the reference's 7th most likely token
+    assert not check_logprobs_close([7], ours_top, [1], ref_top)["ok"]
+    assert check_logprobs_close([7], ours_top, [1], ref_top, k=8) == {"identical": False, "ok": True, "position": 0,
+                                                                      "ranks": [6, 1]}
+
+
+def test_each_divergence_carries_the_references_logit_margin() -> None:
+    import torch
+
+    from benchmarks.gpu_correctness import compare
+
+    logits = torch.zeros(2, 10)
+    logits[0, 3], logits[1, 4], logits[1, 5] = 1.0, 2.0, 1.75
+    ref = {"tokens": [[3, 4]], "top": [[[3, 0, 1, 2, 4], [4, 5, 0, 1, 2]]], "logits": [logits]}
+    ours = {"tokens": [[3, 5]], "top": [[[3, 0, 1, 2, 4], [5, 4, 0, 1, 2]]], "logits": [logits]}
+    row = compare("ours", ours, ref)
+    assert row["identical"] == 0 and row["rule_ok"] == 1 and row["top_k"] == 5
+    assert row["divergences"] == [(0, 1, [1, 1], 0.25)]
+
+
 def test_every_backend_runs_with_graphs_on_and_off_and_both_kv_cache_dtypes() -> None:
     runs = {(backend, eager, kv) for _, backend, eager, kv in our_runs(["triton", "flash-attn", "torch"])}
     assert runs == {("triton", False, "auto"), ("triton", True, "auto"), ("triton", False, "fp8"),
@@ -63,13 +85,14 @@ def test_the_gate_script_runs_both_gates_and_writes_a_verdict(tiny_qwen3_trained
     names = [[r["run"] for r in results[gate]] for gate in ("random_weights", "demo_model")]
     assert names[0] == ["transformers float32, eager attention (floor)", "transformers fp32",
                         "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8",
-                        "deltaserve torch, eager, KV fp8 vs KV fp32"]  # for information: no verdict
+                        "deltaserve torch, eager, KV fp8 vs KV fp32, top-8"]
     assert names[1] == ["transformers float32", "deltaserve torch, eager, KV fp32", "deltaserve torch, eager, KV fp8",
                         "deltaserve torch, eager, KV fp8 vs KV fp32"]
     for rows in results.values():
         for row in rows:
             assert row["prompts"] == 4 and 0 <= row["identical"] <= row["rule_ok"] <= 4
             assert "pass" in row or row["run"].startswith("transformers")
-    assert results["random_weights"][-1]["pass"] is None
+    fp8_vs_plain = results["random_weights"][-1]
+    assert fp8_vs_plain["top_k"] == 8 and fp8_vs_plain["pass"] is (fp8_vs_plain["rule_ok"] == 4)
     verdict = "all gates pass" if proc.returncode == 0 else "FAILED"
     assert verdict in proc.stdout

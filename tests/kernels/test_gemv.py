@@ -309,33 +309,37 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((a + 0.0).view(torch.int16).int() - (b + 0.0).view(torch.int16).int()).abs()
 
 
-def silu_mul_rounded_once(gate_up: torch.Tensor) -> torch.Tensor:
-    """The compiled `silu_and_mul` (torch.compile on a GPU, and inductor on CPU: checked with torch 2.13):
-    gate / (1 + exp(-gate)) * up in float32, rounded once."""
+def silu_mul_as_eager(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` as eager torch rounds it, and the compiled layer too (emulate_precision_casts):
+    silu(gate) = gate / (1 + exp(-gate)) in float32 rounded to the dtype, times up in float32, rounded."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (gate / (1 + torch.exp(-gate)) * up).to(gate_up.dtype)
+    silu = (gate / (1 + torch.exp(-gate))).to(gate_up.dtype).float()
+    return (silu * up).to(gate_up.dtype)
 
 
-def rms_norm_rounded_once(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The compiled `rms_norm` of h: weight * (h * rsqrt(mean(h^2) + eps)) in float32, rounded once."""
+def rms_norm_as_eager(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of h as eager torch rounds it, and the compiled layer too: weight * round(h * rsqrt(mean(h^2) +
+    eps)) in float32, rounded."""
     h32 = h.float()
-    return (weight.float() * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype).float()
+    return (weight.float() * normed).to(h.dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(100) in float32 is inf, as on the GPU
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("k", [300, 520])
-def test_the_silu_prologue_is_silu_times_up_in_float32_rounded_once(dtype: torch.dtype, k: int) -> None:
+def test_the_silu_prologue_rounds_silu_then_the_product_as_eager_torch(dtype: torch.dtype, k: int) -> None:
     """K = 300 and 520 are no multiple of the 256-wide block; large |gate| saturates exp (silu(-100) = -0)."""
     gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
 
     features = silu_and_mul_gemv(gate_up, torch.eye(k, dtype=dtype))
 
-    assert torch.equal(features, silu_mul_rounded_once(gate_up))
-    # Eager torch (the CPU layer) rounds silu(gate) first: at most one representable value away.
+    assert torch.equal(features, silu_mul_as_eager(gate_up))
+    # The CPU layer itself: its exp may differ from libdevice's in the last float32 bit, rarely a rounding apart.
     from workers.layers.activation import silu_and_mul
-    assert ulps_apart(features, silu_and_mul(gate_up)).max() <= 1
+    apart = ulps_apart(features, silu_and_mul(gate_up))
+    assert apart.max() <= 1 and (apart > 0).sum() <= k // 100
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -347,7 +351,7 @@ def test_silu_and_mul_gemv_is_the_gemv_of_the_rounded_silu_product(dtype: torch.
     gate_up = torch.randn(1, 2 * k, generator=generator).to(dtype)
     weight = torch.randn(n, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
-    features = silu_mul_rounded_once(gate_up)
+    features = silu_mul_as_eager(gate_up)
 
     y = silu_and_mul_gemv(gate_up, weight, bias, config=config)
 
@@ -375,10 +379,11 @@ def test_the_norm_prologue_is_the_rounded_rms_norm_of_the_rounded_residual_sum(
         assert h is x
     # inv_rms is summed in the kernel's own order: a feature may round the other way where it differs in its
     # last float32 bits; none did on these inputs.
-    expected = rms_norm_rounded_once(h, norm_weight, eps)
+    expected = rms_norm_as_eager(h, norm_weight, eps)
     assert torch.equal(features, expected)
-    from workers.layers.norm import rms_norm  # eager: rounds h * inv_rms first
-    assert ulps_apart(features, rms_norm(h, norm_weight, eps)).max() <= 1
+    from workers.layers.norm import rms_norm  # the CPU layer (eager), summing the mean square in its own order
+    apart = ulps_apart(features, rms_norm(h, norm_weight, eps))
+    assert apart.max() <= 1 and (apart > 0).sum() <= k // 50
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -394,7 +399,7 @@ def test_add_rms_norm_gemv_is_the_gemv_of_the_norm_and_returns_the_new_residual(
 
     y, h = add_rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, bias, config=config)
 
-    features = rms_norm_rounded_once(x + residual, norm_weight, 1e-6)
+    features = rms_norm_as_eager(x + residual, norm_weight, 1e-6)
     assert torch.equal(h, x + residual)
     assert torch.equal(y, gemv(features, weight, bias, config=config))
 
