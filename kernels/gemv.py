@@ -562,8 +562,9 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     As `workers/layers/norm.py`'s `add_rms_norm` computes it compiled (as it runs on a GPU): h = x + residual
     rounded to the model dtype; then, in float32, inv_rms = rsqrt(mean(h^2) + eps) (Zhang & Sennrich 2019) and
     feature k = norm_weight[k] * round(h[k] * inv_rms), rounded to the model dtype: eager torch's roundings,
-    which the compiled layer keeps (workers/layers/fused.py: `emulate_precision_casts`). Every program computes inv_rms from the whole row itself; the row's first program
-    writes h to a new tensor (never into x or residual, which other programs are still reading). The mean
+    which the compiled layer keeps (workers/layers/fused.py: `emulate_precision_casts`). Every program computes
+    inv_rms from the whole row itself; the row's first program writes h to a new tensor (never into x or
+    residual, which other programs are still reading). The mean
     square's summation order is the kernel's own, so a feature can differ from the unfused layer's by one
     rounding where inv_rms differs in its last bits (about 1 in 100 features at K = 1024).
 
