@@ -9,9 +9,12 @@ a violation would kill the engine and fail the test.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
-from deltaserve import SamplingParams
+import pytest
+
+from deltaserve import LLM, SamplingParams
 from tests.conftest import synthetic_prompt
 from tests.test_engine_vs_hf import hf_greedy
 
@@ -24,6 +27,16 @@ def greedy(n: int) -> SamplingParams:
 
 def baseline(model: Path, prompt: list[int], n: int) -> list[int]:
     return hf_greedy(str(model), tuple(prompt), n)
+
+
+@pytest.fixture(scope="module")
+def default_engine(tiny_qwen3: Path) -> Iterator[LLM]:
+    """One engine (block size B, max_model_len 256, the default cache) for the scenarios that need nothing else: an
+    engine start is most of such a test's time on CPU. Their prompts come from seeds of their own, so none of them
+    finds another's blocks in the prefix cache."""
+    llm = LLM(str(tiny_qwen3), device="cpu", block_size=B, max_model_len=256)
+    yield llm
+    llm.shutdown()
 
 
 def test_br01_fully_cached_prompt_of_whole_blocks(tiny_qwen3: Path, engine_factory) -> None:
@@ -62,8 +75,8 @@ def test_br02_and_br13_tiny_cache(tiny_qwen3: Path, engine_factory) -> None:
     assert alone["finish_reason"] == "error" and "only 4 blocks" in alone["error"]
 
 
-def test_br04_identical_prompts_in_one_step(tiny_qwen3: Path, engine_factory) -> None:
-    llm = engine_factory(tiny_qwen3, block_size=B, max_model_len=256)
+def test_br04_identical_prompts_in_one_step(tiny_qwen3: Path, default_engine: LLM) -> None:
+    llm = default_engine
     prompt = synthetic_prompt(2 * B + 6, seed=4)
     other = synthetic_prompt(19, seed=5)
     outs = llm.generate([prompt, prompt, other], greedy(32), use_tqdm=False)
@@ -119,8 +132,8 @@ def test_br08_br14_br16_chunked_prefill(tiny_qwen3: Path, engine_factory) -> Non
     assert llm.generate([normal], greedy(32), use_tqdm=False)[0]["token_ids"] == baseline(tiny_qwen3, normal, 32)
 
 
-def test_br16_many_one_token_requests_without_chunking(tiny_qwen3: Path, engine_factory) -> None:
-    llm = engine_factory(tiny_qwen3, block_size=B, max_model_len=256)
+def test_br16_many_one_token_requests_without_chunking(tiny_qwen3: Path, default_engine: LLM) -> None:
+    llm = default_engine
     prompts = [synthetic_prompt(6 + (i * 13) % 38, seed=400 + i) for i in range(200)]
     outs = llm.generate(prompts, greedy(1), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -163,8 +176,8 @@ def test_br18_preemption_makes_progress_under_kv_pressure(tiny_qwen3: Path, engi
     assert out["token_ids"] == baseline(tiny_qwen3, lone, len(out["token_ids"]))
 
 
-def test_br19_temperature_zero_and_mixed_rows(tiny_qwen3: Path, engine_factory) -> None:
-    llm = engine_factory(tiny_qwen3, block_size=B, max_model_len=256)
+def test_br19_temperature_zero_and_mixed_rows(tiny_qwen3: Path, default_engine: LLM) -> None:
+    llm = default_engine
     prompt, other = synthetic_prompt(12, seed=19), synthetic_prompt(9, seed=20)
     runs = [llm.generate([prompt], greedy(32), use_tqdm=False)[0]["token_ids"] for _ in range(3)]
     assert runs[0] == runs[1] == runs[2] == baseline(tiny_qwen3, prompt, 32)
