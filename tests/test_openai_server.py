@@ -652,7 +652,8 @@ def test_bad_chat_fields_are_a_400_naming_the_field(server: HTTPServer, body: di
 
 @pytest.mark.parametrize(("field", "value", "starts"), [
     ("structured_outputs", {"regex": ""}, "structured_outputs.regex must be a non-empty string"),
-    ("guided_regex", "", "guided_regex: structured_outputs.regex must be a non-empty string")])
+    ("guided_regex", "", "guided_regex: structured_outputs.regex must be a non-empty string"),
+    ("guided_json", False, "guided_json: structured_outputs.json: the schema false accepts no document at all")])
 def test_a_bad_structured_output_names_its_field_once(server: HTTPServer, field: str, value: object,
                                                       starts: str) -> None:
     response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, field: value})
@@ -685,6 +686,13 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server: HTTPServer, raw: byte
     response = post(server, "/v1/completions", raw)
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+def test_a_json_body_sent_as_text_plain_is_a_400_naming_the_content_type(server: HTTPServer) -> None:
+    response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers={"Content-Type": "text/plain"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == ("the request body must be a JSON object sent with Content-Type: "
+                                                   "application/json, got Content-Type: text/plain"), response.text
 
 
 def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(server: HTTPServer) -> None:
@@ -860,6 +868,13 @@ def test_response_format_json_object_and_vllm_guided_fields_constrain_the_output
     done = client.completions.create(model="tiny", prompt="id:", max_tokens=10,
                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
     assert len(done.choices[0].text) == 4 and done.choices[0].text.isdigit()
+    # The schema true (any JSON document), as structured_outputs.json and response_format take it.
+    anything = client.completions.create(model="tiny", prompt="v:", temperature=0, max_tokens=40,
+                                         extra_body={"guided_json": True}).choices[0]
+    if anything.finish_reason == "stop":
+        json.loads(anything.text)
+    else:
+        assert anything.text.strip() and anything.text.lstrip()[0] in '{["-0123456789tfn', anything.text
 
 
 def test_response_format_constrains_completions_too_as_in_vllm(client: openai.OpenAI) -> None:

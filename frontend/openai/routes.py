@@ -252,6 +252,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(exc.errors()))
+        content_type = request.headers.get("content-type", "")
+        if message == "the request body must be a JSON object" and content_type and "json" not in content_type:
+            # FastAPI parses a body as JSON only when its Content-Type says JSON
+            message += f" sent with Content-Type: application/json, got Content-Type: {content_type[:100]}"
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -79,7 +79,7 @@ class SamplingFields(RequestModel):
     # (frontend/openai/params.py: at most one of them)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields: {"json": schema}, ...
-    guided_json: dict[str, Any] | str | None = None  # a JSON schema
+    guided_json: dict[str, Any] | bool | str | None = None  # a JSON schema (true: any JSON document), or its text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # EBNF (GBNF)
