@@ -339,11 +339,11 @@ def random_weights_gate(model: str, backends: list[str], device: str, dtype: str
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if kv != "auto":
+            vs_plain = f"{name} vs KV {SHORT_DTYPE.get(dtype, dtype)}, top-{TOP_K_FP8}"
             if (backend, eager) not in plain_runs:
-                rows.append(failed_run(f"{name} vs KV {dtype}", RuntimeError("no model-dtype KV run to compare with")))
+                rows.append(failed_run(vs_plain, RuntimeError("no model-dtype KV run to compare with")))
                 continue
-            plain = as_reference(plain_runs[(backend, eager)])
-            row = compare(f"{name} vs KV {SHORT_DTYPE.get(dtype, dtype)}, top-{TOP_K_FP8}", run, plain, TOP_K_FP8)
+            row = compare(vs_plain, run, as_reference(plain_runs[(backend, eager)]), TOP_K_FP8)
             row["pass"] = row["rule_ok"] == row["prompts"]
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -173,9 +173,10 @@ class GuardMiddleware:
 
 
 # ---------------------------------------------------------------------------------------------- errors
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def _validation_message(errors: list[dict[str, Any]], content_type: str = "") -> tuple[str, str | None]:
     """(message, param) for pydantic's errors about a request body: the first bad field, its path
-    ("messages[0].content"), what is wrong and the value given."""
+    ("messages[0].content"), what is wrong and the value given. `content_type`: the request's header, named
+    where a body that was not sent as JSON is why it is no JSON object (FastAPI parses only a JSON body)."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         why = (first.get("ctx") or {}).get("error", "")
@@ -184,6 +185,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not loc and first.get("type") == "missing":
         return "the request body is empty: send a JSON object", None
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        if content_type and "json" not in content_type:
+            return ("the request body must be a JSON object sent with Content-Type: application/json, got "
+                    f"Content-Type: {content_type[:100]}"), None
         return "the request body must be a JSON object", None
     path, tags = _path(loc)
     if tags:  # a union: pydantic reports one error per alternative, each under its alternative's tag
@@ -251,11 +255,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(exc.errors()))
-        content_type = request.headers.get("content-type", "")
-        if message == "the request body must be a JSON object" and content_type and "json" not in content_type:
-            # FastAPI parses a body as JSON only when its Content-Type says JSON
-            message += f" sent with Content-Type: application/json, got Content-Type: {content_type[:100]}"
+        message, param = _validation_message(list(exc.errors()), request.headers.get("content-type", ""))
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
