@@ -2,9 +2,12 @@
 
 Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023):
 when the batch alone cannot fill the GPU, each sequence's KV length is split over `num_splits`
-programs, each producing a partial output and its log-sum-exp, and a second kernel combines the
-partials with weights `exp(lse_s - max lse)`. Everything is sized from host-side shapes, so a
-decode step can be captured in a CUDA graph and replayed with any sequence lengths.
+programs, each producing a partial output and its log-sum-exp, and the partials are combined with
+weights `exp(lse_s - max lse)`: by the last of a (sequence, KV head)'s split programs to finish, in
+the same launch (`kernels/split_counters.py`; a batch-1 step of a 28-layer model launches 28
+kernels fewer than with a second combining kernel), adding the splits in a fixed order so the bits
+never depend on which finished when. Everything is sized from host-side shapes, so a decode step
+can be captured in a CUDA graph and replayed with any sequence lengths.
 """
 
 import torch
@@ -21,6 +24,8 @@ from kernels.paged_attention import (
     query_for_cache,
 )
 from kernels.pdl import launch_options, pdl_for
+from kernels.prefetch import prefetch_l2
+from kernels.split_counters import split_counters
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
 _TARGET_PROGRAMS = 512
@@ -40,6 +45,7 @@ def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    counter_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     scale_log2,
@@ -60,15 +66,15 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    COMBINE: tl.constexpr,
 ):
     # Program (seq, kv_head, split) owns the GROUP query heads of one KV head and the KV
     # positions [split_start, split_end) of one sequence.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
-        tl.extra.cuda.gdc_wait()
-
+    # seq_lens and the block tables come from the step's upload, before any kernel of the step: readable before the
+    # wait below, as is the KV of earlier tokens.
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits are whole tiles, so only the sequence's last tile needs a mask. A padding row
     # (seq_len == 0) gets empty ranges and reads neither its block table row nor the cache.
@@ -76,6 +82,18 @@ def _paged_decode_kernel(
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     unmasked_end = tl.maximum(split_start, split_end // BLOCK_N * BLOCK_N)
+    block_table_row_ptr = block_tables_ptr + seq * stride_block_table
+    kv_head_offset = kv_head * HEAD_DIM
+    if PDL:  # kernels/pdl.py
+        # Ask L2 for the first tile's keys and values (one row of HEAD_DIM values each) while the kernel before this
+        # one (which stores the newest token's) still runs, then wait for it to finish and flush its memory, and let
+        # the next kernel launch (its own prefetches overlap this one).
+        row_bytes = HEAD_DIM * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        if row_bytes % 16 == 0:
+            _prefetch_first_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, split_start, split_end,
+                                 kv_head_offset, stride_slot, row_bytes, BLOCK_SIZE, BLOCK_N)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -90,8 +108,6 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    block_table_row_ptr = block_tables_ptr + seq * stride_block_table
-    kv_head_offset = kv_head * HEAD_DIM
     for tile_start in range(split_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile_start, seq_len, block_table_row_ptr, k_cache_ptr, v_cache_ptr,
@@ -105,8 +121,6 @@ def _paged_decode_kernel(
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
         )
 
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     # An empty range leaves l_i == 0 and acc == 0: its output is zero and its lse is -inf.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
@@ -120,48 +134,55 @@ def _paged_decode_kernel(
         tl.store(partial_out_ptr + partial_row[:, None] * BLOCK_D + dims[None, :], out, mask=io_mask)
         lse = m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))  # m_i is -inf where l_i == 0
         tl.store(partial_lse_ptr + partial_row, lse, mask=rows < GROUP)
+        if COMBINE:
+            # The last of the NUM_SPLITS programs of (seq, kv_head) to get here combines their partials
+            # (kernels/split_counters.py); all of this program's partials are stored before its counter release.
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            tl.debug_barrier()
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, heads, dims, io_mask, rows < GROUP,
+                               stride_out_seq, stride_out_head, num_q_heads, BLOCK_D, NUM_SPLITS)
+                tl.store(counter, 0)  # no other program of this launch touches it again
 
 
 @triton.jit
-def _combine_splits_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    out_ptr,
-    stride_out_seq,
-    stride_out_head,
-    num_q_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Program (seq, q_head) merges NUM_SPLITS partial outputs, each normalised by its own softmax
-    # sum, with weights 2^(lse_s - max lse); lse is in base 2.
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, BLOCK_D)
-    first_row = (seq * num_q_heads + head) * NUM_SPLITS
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # no loop: the successor may launch at once (it waits for this one)
-    lse = tl.load(partial_lse_ptr + first_row + splits)
-    lse_max = tl.max(lse, 0)
+def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, start, end, kv_head_offset, stride_slot,
+                         ROW_BYTES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One bulk L2 prefetch per key row and per value row of positions [start, min(start + BLOCK_N, end)) of one KV
+    # head (kernels/prefetch.py): 2 * BLOCK_N rows, one or two per thread at 4 warps.
+    rows = tl.arange(0, 2 * BLOCK_N)
+    positions = start + rows % BLOCK_N
+    in_range = positions < end
+    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_range, other=0)
+    offsets = (block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE) * stride_slot + kv_head_offset
+    ptrs = tl.where(rows < BLOCK_N, k_cache_ptr + offsets, v_cache_ptr + offsets)
+    prefetch_l2(ptrs, tl.where(in_range, ROW_BYTES, 0))
+
+
+@triton.jit
+def _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, heads, dims, io_mask, head_mask,
+                   stride_out_seq, stride_out_head, num_q_heads, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # out[seq, heads] = sum over splits s (in order 0, 1, ...) of 2^(lse_s - max lse) * partial_s, over the sum of
+    # the weights; every split's partial is visible (the counter's acquire), read from L2 (.cg) past this SM's L1.
+    first_rows = (seq * num_q_heads + heads) * NUM_SPLITS
+    lse_max = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(partial_lse_ptr + first_rows + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, lse_s)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    weights = tl.math.exp2(lse - lse_max)  # an empty split has lse -inf and weight 0
-    total = tl.sum(weights, 0)
-    partial = tl.load(
-        partial_out_ptr + (first_row + splits)[:, None] * BLOCK_D + dims[None, :],
-        mask=(dims < HEAD_DIM)[None, :],
-        other=0.0,
-    )
+    total = tl.zeros(heads.shape, dtype=tl.float32)
+    acc = tl.zeros(io_mask.shape, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(partial_lse_ptr + first_rows + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.math.exp2(lse_s - lse_max)  # an empty split has lse -inf and weight 0
+        partial = tl.load(partial_out_ptr + (first_rows + s)[:, None] * BLOCK_D + dims[None, :], mask=io_mask,
+                          other=0.0, cache_modifier=".cg")
+        total += weight
+        acc += weight[:, None] * partial
     # All splits empty means a padding row (seq_len == 0): its output is zero.
-    out = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
-    )
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int) -> int:
@@ -256,11 +277,13 @@ def paged_attention_decode(
     pdl = pdl_for(q)
     if num_splits == 1:
         partial_out = partial_lse = out  # unused: the kernel writes `out` directly
+        counters = seq_lens
     else:
         partial_out = torch.empty(
             (num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        counters = split_counters(q.device, num_seqs * num_kv_heads, "paged decode")
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -268,6 +291,7 @@ def paged_attention_decode(
         out,
         partial_out,
         partial_lse,
+        counters,
         block_tables,
         seq_lens,
         softmax_scale * k_scale * LOG2_E,
@@ -288,23 +312,9 @@ def paged_attention_decode(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype),
         PDL=pdl,
+        COMBINE=num_splits > 1,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),
     )
-    if num_splits > 1:
-        _combine_splits_kernel[(num_seqs, num_q_heads)](
-            partial_out,
-            partial_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_q_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            PDL=pdl,
-            num_warps=4,
-            **launch_options(pdl),
-        )
     return out

@@ -1,6 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py), compiled for the H100/H200 (sm90) on this CPU machine: with
 PDL=True each decode kernel waits for the kernel before it (`griddepcontrol.wait`) and lets the next launch
-(`griddepcontrol.launch_dependents`); with PDL=False neither instruction is there. (The GEMV's variants are
+(`griddepcontrol.launch_dependents`); with PDL=False neither instruction is there. The split decode kernel combines
+its splits in the same launch (an acquire-release arrival counter), the unsplit one has no atomics. (The GEMV's variants are
 checked in test_gemv.py; tests/test_gpu.py runs the decode graphs with PDL on the GPU, bit for bit.)"""
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.paged_decode import _combine_splits_kernel, _paged_decode_kernel
+from kernels.paged_decode import _paged_decode_kernel
 from kernels.rope_kv_store import _qk_norm_rope_store_kernel
 
 TYPES = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+         "counter_ptr": "*i32",
          "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
          "cos_sin_ptr": "*fp32", "scale_log2": "fp32", "v_scale": "fp32", "eps": "fp32", "inv_k_scale": "fp32",
          "inv_v_scale": "fp32"}
@@ -31,15 +33,17 @@ def count(fn, constexprs):
            for name in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")]
+    return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+            ptx.count("atom.global.gpu.acq_rel"), ptx.count("cp.async.bulk.prefetch.L2.global"),
+            ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch")]
 
 decode = dict(GROUP=2, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=4,
-              DOT_PRECISION="tf32")
-combine = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4)
+              DOT_PRECISION="tf32", COMBINE=True)
+unsplit = dict(decode, NUM_SPLITS=1, COMBINE=False)
 rope = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, HEADS_PER_PROGRAM=4, HAS_NORM=True, FP8=False)
 print(json.dumps({f"{name}-{pdl}": count(fn, {**c, "PDL": pdl})
                   for name, fn, c in (("decode", _paged_decode_kernel, decode),
-                                      ("combine", _combine_splits_kernel, combine),
+                                      ("unsplit", _paged_decode_kernel, unsplit),
                                       ("rope", _qk_norm_rope_store_kernel, rope))
                   for pdl in (False, True)}))
 """
@@ -52,6 +56,10 @@ def test_the_decode_kernels_wait_for_their_predecessor_only_with_pdl() -> None:
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    for kernel in ("decode", "combine", "rope"):
-        assert counts[f"{kernel}-False"] == [0, 0], counts
+    for kernel in ("decode", "unsplit", "rope"):
+        assert counts[f"{kernel}-False"][:2] == [0, 0], counts
         assert counts[f"{kernel}-True"][0] >= 1 and counts[f"{kernel}-True"][1] >= 1, counts
+    assert counts["decode-True"][2] == counts["decode-False"][2] == 1 and counts["unsplit-True"][2] == 0, counts
+    # With PDL decode asks L2 for its first tile's keys and values before it waits (kernels/prefetch.py).
+    assert counts["decode-True"][3:] == [1, True] and counts["unsplit-True"][3:] == [1, True], counts
+    assert counts["decode-False"][3] == 0 and counts["rope-True"][3] == 0, counts
