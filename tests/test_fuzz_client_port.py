@@ -16,6 +16,7 @@ from common.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     EngineInfo,
+    EngineStats,
     ErrorReply,
     Pong,
     ProfileStatus,
@@ -84,8 +85,8 @@ def _drain(sock: zmq.Socket, wait_ms: int) -> list[object]:
     replies = []
     while sock.poll(wait_ms):
         reply = decode(sock.recv())
-        # a well-formed StartProfile / StopProfile is answered (here: profiling is off)
-        assert isinstance(reply, (ErrorReply, RequestOutputs, Pong, EngineInfo, ProfileStatus)), reply
+        # a well-formed StartProfile / StopProfile is answered (here: profiling is off), a GetEngineStats too
+        assert isinstance(reply, (ErrorReply, RequestOutputs, Pong, EngineInfo, ProfileStatus, EngineStats)), reply
         replies.append(reply)
         wait_ms = 0
     return replies
