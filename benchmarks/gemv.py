@@ -21,11 +21,6 @@ GEMV; and the sum over one Qwen3-0.6B decoder layer times 28, unfused (11 launch
 
 `--pdl`: only each decoder layer's M = 1 GEMV launched plainly and with programmatic dependent launch
 (`DELTASERVE_PDL`, kernels/pdl.py), with the time a batch-1 step's 112 GEMVs would save.
-
-`--prefetch`: only a batch-1 decode step's 112 fused GEMVs (28 Qwen3-0.6B layers of norm+qkv, o, norm+gate_up,
-silu+down, each layer with its own weights: 840 MB, as the model streams them) in one CUDA graph, with each GEMV
-asking L2 for the weights 0 (off), 1 or 2 GEMVs ahead (`prefetch`, kernels/gemv.py; DELTASERVE_L2_PREFETCH), and the
-same bits checked across the three.
 """
 
 from __future__ import annotations
@@ -198,76 +193,6 @@ def pdl_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> li
     return rows
 
 
-def prefetch_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """A batch-1 decode step's 28 x 4 fused GEMVs in one CUDA graph with the weight prefetch 0, 1 and 2 GEMVs ahead
-    (workers/layers/linear.py `link_weight_prefetch`): the median step time and time a GEMV, and whether every
-    distance gives the same bits."""
-    from workers.layers.linear import ReplicatedLinear, link_weight_prefetch
-
-    shapes = {layer: (n, k) for model, layer, n, k in SHAPES if model == "0.6B" and layer != "lm_head"}
-    eps = 1e-6
-    layers = []
-    with torch.device(device):
-        for _ in range(28):
-            for name in ("qkv", "o", "gate_up", "down"):
-                n, k = shapes[name]
-                linear = ReplicatedLinear(k, n)
-                linear.weight.data = (torch.randn(n, k, dtype=DTYPE) * k**-0.5).contiguous()
-                layers.append(linear)
-    hidden, inter = shapes["qkv"][1], shapes["down"][1]
-    x = torch.randn(1, hidden, device=device, dtype=DTYPE)
-    residual = torch.randn(1, hidden, device=device, dtype=DTYPE)
-    norm_weight = torch.rand(hidden, device=device, dtype=DTYPE) + 0.5
-    attn = torch.randn(1, shapes["o"][1], device=device, dtype=DTYPE) * 0.1
-    gate_up = torch.randn(1, 2 * inter, device=device, dtype=DTYPE)
-
-    def step() -> list[torch.Tensor]:
-        # The four GEMVs of each layer on fixed inputs: the kernels and their order as a decode step runs them.
-        outs = []
-        for i in range(0, len(layers), 4):
-            qkv, o, gu, down = layers[i:i + 4]
-            outs.append(add_rms_norm_gemv(x, residual, norm_weight, eps, qkv.weight, prefetch=qkv.l2_prefetch)[0])
-            outs.append(gemv(attn, o.weight, prefetch=o.l2_prefetch))
-            outs.append(add_rms_norm_gemv(x, residual, norm_weight, eps, gu.weight, prefetch=gu.l2_prefetch)[0])
-            outs.append(silu_and_mul_gemv(gate_up, down.weight, prefetch=down.l2_prefetch))
-        return outs
-
-    print("\nA batch-1 decode step's 112 fused GEMVs (Qwen3-0.6B, 840 MB of weights) in one CUDA graph, by how many "
-          "GEMVs ahead each asks L2 for weights")
-    print(f"{'ahead':>5} {'step us':>9} {'us/GEMV':>8} {'TB/s':>5}  bits")
-    rows, reference = [], None
-    weight_bytes = sum(layer.weight.numel() * DTYPE.itemsize for layer in layers)
-    for distance in (0, 1, 2):
-        link_weight_prefetch(layers, distance)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            outs = step()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        same = reference is None or all(torch.equal(a, b) for a, b in zip(outs, reference))
-        reference = reference or outs
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        del graph
-        us = statistics.median(times)
-        rows.append(dict(model="0.6B", layer="step", m=1, kernel=f"prefetch-{distance}", us=us, us_per_gemv=us / 112,
-                         tb_s=weight_bytes / us / 1e6, same_bits=same))
-        print(f"{distance:>5} {us:9.1f} {us / 112:8.2f} {weight_bytes / us / 1e6:5.2f}  "
-              f"{'same bits' if same else 'OTHER BITS'}")
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -277,8 +202,6 @@ def main() -> None:
     parser.add_argument("--fused-only", action="store_true", help="only the M = 1 rows of the fused decode layers")
     parser.add_argument("--pdl", action="store_true",
                         help="only the M = 1 GEMVs without and with programmatic dependent launch (DELTASERVE_PDL)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="only a batch-1 step's 112 fused GEMVs with the L2 weight prefetch 0, 1, 2 ahead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py needs a CUDA GPU")
@@ -292,11 +215,8 @@ def main() -> None:
     print(header)
     rows: list[dict] = []
     started = time.perf_counter()
-    if args.fused_only or args.pdl or args.prefetch:
-        if args.prefetch:
-            rows += prefetch_rows(args, device)
-        else:
-            rows += fused_rows(args, device, num_sms) if args.fused_only else pdl_rows(args, device, num_sms)
+    if args.fused_only or args.pdl:
+        rows += fused_rows(args, device, num_sms) if args.fused_only else pdl_rows(args, device, num_sms)
         print(f"({time.perf_counter() - started:.0f} s)")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))

@@ -117,20 +117,6 @@ def gemv_max_batch() -> int:
     return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
 
 
-L2_PREFETCH_DEFAULT = 1
-
-
-def l2_prefetch() -> int:
-    """DELTASERVE_L2_PREFETCH: at a decode step of one sequence, each linear layer's GEMV asks L2 for the weight of
-    the layer this many places after it (workers/layers/linear.py `link_weight_prefetch`, kernels/gemv.py), so the
-    weights stream from memory while the step's small kernels run: 0 (off), 1 or 2 (default 1). Read when the model
-    is built."""
-    distance = _whole_number("DELTASERVE_L2_PREFETCH", str(L2_PREFETCH_DEFAULT), meaning="layers ahead; 0 = off")
-    if distance > 2:
-        raise ValueError(f"DELTASERVE_L2_PREFETCH must be 0, 1 or 2, got {distance}")
-    return distance
-
-
 def eager_sampling() -> bool:
     """DELTASERVE_EAGER_SAMPLING: sample decode steps outside their CUDA graph, the LM head and the sampler launched
     one by one (default off: a decode step whose rows need no logits processing runs its LM head and sampler in a
@@ -214,7 +200,6 @@ def check_all() -> None:
     frontend_timeout_s()
     all_reduce_impl()
     gemv_max_batch()
-    l2_prefetch()
     eager_sampling()
     pdl()
     step_timeout_s()

@@ -24,14 +24,6 @@ programs that every SM keeps loads in flight:
   `add_rms_norm_gemv`): each program computes its input features from the layer's inputs as it loads them, so
   a decode step of one sequence skips a launch and a round trip of the activations per fused layer.
 
-- Weights ahead (`prefetch`): at a decode step of one sequence each GEMV is a few microseconds, most of them the
-  latency of its first weight bytes and the launch, not the transfer. Every program of the kernel therefore first
-  asks L2 for its share of the weights the next GEMVs will read (`cp.async.bulk.prefetch.L2.global`, sm_90: a hint
-  that holds no register), before it waits for the kernel before it (PDL), and with PDL lets the next kernel launch
-  as soon as its own wait is over, so that kernel's prefetches start early too. The weights stream from memory
-  while the chain of small kernels runs; each GEMV then reads its weight from L2 (H100/H200: 50-60 MB). The
-  caller names the tensors (the model links each layer to the ones after it, workers/layers/linear.py).
-
 The launch configuration comes from the shapes alone (`choose_gemv_config`, documented there), never from
 timing runs, and no tensor value is read on the host: a call can be captured in a CUDA graph. Accumulation is
 float32 throughout; the result is rounded once, to nearest even.
@@ -51,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -59,7 +50,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.pdl import launch_options, pdl_for
-from kernels.prefetch import prefetch_l2
 from kernels.rounding import round_to
 from kernels.split_counters import split_counters
 
@@ -79,8 +69,6 @@ _FMA_BLOCK_N = 32  # W rows per program on the element-wise path
 # 1/8 of the weight bytes (2 per feature and input), i.e. split_k * M * 4 <= K * 2 / 8.
 _PARTIAL_BYTES_DIVISOR = 8
 _REDUCE_BLOCK = 1024
-# Tensors one GEMV can prefetch into L2 (`prefetch`): the kernel takes this many (pointer, bytes) ranges.
-_MAX_PREFETCH_RANGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,20 +246,6 @@ def _add_bias_and_store(acc, bias_ptr, y_ptr, rows, batch, N, stride_ym, mask, H
     y_ptrs = y_ptr + batch[None, :].to(tl.int64) * stride_ym + rows[:, None]
     tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
 
-# Bytes of one thread's bulk prefetch at the least: one 128-byte L2 line.
-_PREFETCH_MIN_CHUNK = tl.constexpr(128)
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes, program, programs, LANES: tl.constexpr):
-    # Ask L2 for part `program` of `programs` of the bytes [ptr, ptr + nbytes) (nbytes a multiple of 16, ptr 16-byte
-    # aligned), one bulk prefetch per thread (LANES: the program's thread count).
-    threads = programs.to(tl.int64) * LANES
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(nbytes, threads), 16) * 16, _PREFETCH_MIN_CHUNK)
-    offsets = (program.to(tl.int64) * LANES + tl.arange(0, LANES)) * chunk
-    sizes = tl.minimum(chunk, tl.maximum(nbytes - offsets, 0)).to(tl.int32)
-    prefetch_l2(ptr.to(tl.pointer_type(tl.uint8)) + offsets, sizes)
-
 
 # The batch size M varies from step to step: specializing on it (Triton compiles separate variants for 1,
 # multiples of 16 and the rest) would compile a new variant in the middle of a run.
@@ -286,10 +260,6 @@ def _gemv_kernel(
     res_ptr,
     norm_w_ptr,
     h_ptr,
-    pf0_ptr,
-    pf0_bytes,
-    pf1_ptr,
-    pf1_bytes,
     M,
     N,
     K,
@@ -310,8 +280,6 @@ def _gemv_kernel(
     RMS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_RANGES: tl.constexpr,
-    LANES: tl.constexpr,
 ):
     # Program (n, s, m): W rows [n*BLOCK_N, ...), K columns [s*k_per_split, ...), batch rows [m*BLOCK_M, ...).
     # k_per_split is a multiple of BLOCK_K, so only the last split's last tile can run past K.
@@ -326,17 +294,8 @@ def _gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w_ptr + w_rows[:, None] * K + (k_start + cols)[None, :]
-    if PREFETCH_RANGES > 0:  # the next GEMVs' weights are constants: no need to wait for the kernel before this one
-        program = pid_n + tl.num_programs(0) * (pid_s + tl.num_programs(1) * pid_m)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        _prefetch_l2(pf0_ptr, pf0_bytes, program, programs, LANES)
-        if PREFETCH_RANGES > 1:
-            _prefetch_l2(pf1_ptr, pf1_bytes, program, programs, LANES)
     if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
         tl.extra.cuda.gdc_wait()
-        # Let the next kernel launch now, so that its programs issue their own prefetches while this one runs;
-        # they wait (gdc_wait) for this kernel to finish before they read anything it writes.
-        tl.extra.cuda.gdc_launch_dependents()
     if USE_DOT:
         batch = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         # x tile transposed, [BLOCK_K, BLOCK_M]: the right operand of W [BLOCK_N, BLOCK_K] @ x.T.
@@ -379,6 +338,8 @@ def _gemv_kernel(
             acc1d += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             w_ptrs += BLOCK_K
         acc = acc1d[:, None]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # acc[i, j] = the sum over this split's K columns of W[rows[i], k] * x[batch[j], k]
     mask = (rows < N)[:, None] & (batch < M)[None, :]
     if SPLIT:
@@ -418,8 +379,7 @@ def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, M, N, stride_ym, num_splits
     tl.store(y_ptr + row * stride_ym + cols, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_features: int | None = None,
-           prefetch: Sequence[torch.Tensor] = ()) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_features: int | None = None) -> None:
     # x_features: the input features x must have (default: weight's K).
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
@@ -443,32 +403,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_f
                              f"({weight.shape[0]},) on {weight.device}")
         if bias.stride(0) != 1:
             raise ValueError("bias must be contiguous")
-    if len(prefetch) > _MAX_PREFETCH_RANGES:
-        raise ValueError(f"gemv prefetches at most {_MAX_PREFETCH_RANGES} tensors, got {len(prefetch)}")
-
-
-def _prefetch_ranges(prefetch: Sequence[torch.Tensor], like: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-    """(tensor, bytes) of each tensor to prefetch into L2, where the device can (CUDA, sm_90+: the bulk prefetch)
-    and the tensor is contiguous, 16-byte aligned and on `like`'s device; bytes rounded down to a multiple of 16."""
-    if not prefetch or not like.is_cuda or not _bulk_prefetch_capable(like.device.index or 0):
-        return []
-    ranges = []
-    for t in prefetch:
-        nbytes = t.numel() * t.element_size() // 16 * 16
-        if t.device == like.device and t.is_contiguous() and t.data_ptr() % 16 == 0 and nbytes > 0:
-            ranges.append((t, nbytes))
-    return ranges
-
-
-@functools.cache
-def _bulk_prefetch_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
             config: GemvConfig, *, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            h: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-            prefetch: Sequence[torch.Tensor] = ()) -> None:
+            h: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> None:
     """Run the kernel(s) into y `[M, N]` (M, N, K >= 1; inputs checked)."""
     m, n = y.shape
     k = weight.shape[1]
@@ -481,17 +420,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     one_launch = num_splits > 1 and config.one_launch
     partial = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if num_splits > 1 else y
     counters = split_counters(x.device, grid[0] * grid[2], "gemv") if one_launch else y
-    ranges = _prefetch_ranges(prefetch, x) + [(y, 0)] * _MAX_PREFETCH_RANGES
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else y, y, partial, counters,
         residual if residual is not None else y, norm_weight if norm_weight is not None else y,
-        h if h is not None else y, *ranges[0], *ranges[1],
+        h if h is not None else y,
         m, n, k, x.stride(0), y.stride(0), k_per_split, eps,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         HAS_BIAS=bias is not None, SPLIT=num_splits > 1, ONE_LAUNCH=one_launch, EVEN_K=k % config.block_k == 0,
         WIDEN_DOT=interpreted, SILU_MUL=silu_mul, RMS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, PDL=pdl,
-        PREFETCH_RANGES=sum(nbytes > 0 for _, nbytes in ranges), LANES=32 * config.num_warps,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if num_splits > 1 and not one_launch:
@@ -511,7 +448,7 @@ def _default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         config: GemvConfig | None = None, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+         config: GemvConfig | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` (`torch.nn.functional.linear`) for a small batch, reading the weight once.
 
     Args:
@@ -521,9 +458,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias: `[N]` in x's dtype, contiguous, or None.
         config: the launch configuration (tests, benchmarks); None chooses it from the shapes
             (`choose_gemv_config`).
-        prefetch: at most two tensors (the weights of the GEMVs that come next) that the kernel asks L2 to load
-            while it runs (see the module docstring); ignored where the device cannot (CPU, before sm_90) and for
-            a tensor that is not contiguous and 16-byte aligned on x's device. Never changes the result.
 
     Returns:
         y `[M, N]`, a new contiguous tensor in x's dtype: float32 products and sums, rounded once to nearest
@@ -532,13 +466,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Raises:
         ValueError: x or weight not 2-D, mismatched K, a dtype other than bfloat16/float16 or x's and
             weight's dtypes differing, a weight that is not contiguous, x's last stride not 1, tensors on
-            different devices, a bias not `[N]` contiguous in that dtype, or more than two tensors to prefetch.
+            different devices, or a bias not `[N]` contiguous in that dtype.
         RuntimeError: the first split-K call on a device made inside a CUDA graph capture (see the module
             docstring: the split-K counters are allocated by an eager call).
 
     Reads no tensor value on the host and synchronises nothing, so it can be captured in a CUDA graph.
     """
-    _check(x, weight, bias, prefetch=prefetch)
+    _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -546,7 +480,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    _launch(x, weight, bias, y, config or _default_config(m, n, k, x.device), prefetch=prefetch)
+    _launch(x, weight, bias, y, config or _default_config(m, n, k, x.device))
     return y
 
 
@@ -559,7 +493,7 @@ def _prologue_config(config: GemvConfig | None, n: int, k: int, device: torch.de
 
 
 def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      config: GemvConfig | None = None, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                      config: GemvConfig | None = None) -> torch.Tensor:
     """`gemv(silu_and_mul(gate_up), weight, bias)` in one kernel: SwiGLU's gate computed as the GEMV loads it.
 
     Input feature k is `silu(gate[k]) * up[k]` with `silu(g) = g / (1 + exp(-g))` computed in float32 and
@@ -572,7 +506,6 @@ def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
             its last dimension. One program per batch row: meant for M = 1.
         weight: `[N, K]` in gate_up's dtype, contiguous. bias: `[N]` or None.
         config: an element-wise launch configuration (`use_dot=False`); None: M = 1's (`choose_gemv_config`).
-        prefetch: as `gemv`'s.
 
     Returns:
         y `[M, N]` in gate_up's dtype: float32 products and sums rounded once, the same bits on every call.
@@ -582,22 +515,20 @@ def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
         RuntimeError: as `gemv`.
     """
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    _check(gate_up, weight, bias, x_features=2 * k, prefetch=prefetch)
+    _check(gate_up, weight, bias, x_features=2 * k)
     m = gate_up.shape[0]
     y = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    _launch(gate_up, weight, bias, y, _prologue_config(config, n, k, gate_up.device), silu_mul=True,
-            prefetch=prefetch)
+    _launch(gate_up, weight, bias, y, _prologue_config(config, n, k, gate_up.device), silu_mul=True)
     return y
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      config: GemvConfig | None = None,
-                      prefetch: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(gemv(rms_norm(h), weight, bias), h)` with `h = x + residual` (or x), in one kernel.
 
     As `workers/layers/norm.py`'s `add_rms_norm` computes it compiled (as it runs on a GPU): h = x + residual
@@ -605,9 +536,9 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     feature k = norm_weight[k] * round(h[k] * inv_rms), rounded to the model dtype: eager torch's roundings,
     which the compiled layer keeps (workers/layers/fused.py: `emulate_precision_casts`). Every program computes
     inv_rms from the whole row itself; the row's first program writes h to a new tensor (never into x or
-    residual, which other programs are still reading). The mean square's summation order is the kernel's own, so
-    a feature can differ from the unfused layer's by one rounding where inv_rms differs in its last bits (about 1
-    in 100 features at K = 1024).
+    residual, which other programs are still reading). The mean
+    square's summation order is the kernel's own, so a feature can differ from the unfused layer's by one
+    rounding where inv_rms differs in its last bits (about 1 in 100 features at K = 1024).
 
     Args:
         x: `[M, K]` bfloat16 or float16, stride 1 in its last dimension (the previous layer's output, or the
@@ -616,7 +547,6 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         norm_weight: `[K]` contiguous in x's dtype. eps: added to the mean square.
         weight: `[N, K]` in x's dtype, contiguous. bias: `[N]` or None.
         config: an element-wise launch configuration (`use_dot=False`); None: M = 1's (`choose_gemv_config`).
-        prefetch: as `gemv`'s.
 
     Returns:
         (y `[M, N]`, h `[M, K]`) in x's dtype; h is x itself when residual is None, else a new contiguous tensor.
@@ -626,7 +556,7 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
             configuration with `use_dot`.
         RuntimeError: as `gemv`.
     """
-    _check(x, weight, bias, prefetch=prefetch)
+    _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
@@ -646,5 +576,5 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     if n == 0:  # no program runs to write h
         return y, x + residual if residual is not None else x
     _launch(x, weight, bias, y, _prologue_config(config, n, k, x.device), residual=residual,
-            norm_weight=norm_weight, h=h, eps=eps, prefetch=prefetch)
+            norm_weight=norm_weight, h=h, eps=eps)
     return y, h

@@ -50,18 +50,6 @@ def test_gemv_max_batch_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> 
     assert envs.gemv_max_batch() == 0
 
 
-def test_l2_prefetch_distance_default_and_range(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DELTASERVE_L2_PREFETCH", raising=False)
-    assert envs.l2_prefetch() == envs.L2_PREFETCH_DEFAULT == 1
-    for value in ("0", "2"):
-        monkeypatch.setenv("DELTASERVE_L2_PREFETCH", value)
-        assert envs.l2_prefetch() == int(value)
-    for value in ("3", "-1", "one"):
-        monkeypatch.setenv("DELTASERVE_L2_PREFETCH", value)
-        with pytest.raises(ValueError, match="DELTASERVE_L2_PREFETCH must be"):
-            envs.l2_prefetch()
-
-
 @pytest.mark.parametrize("value", ["-1", "2.5", "1e3", "eight", "", "\u00b2"])
 def test_gemv_max_batch_must_be_a_whole_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", value)

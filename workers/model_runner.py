@@ -42,7 +42,6 @@ from workers.graph_inputs import TORCH_DTYPES, GraphInputs, aligned, decode_inpu
 from workers.input_batch import InputBatch, ReqState, StepInputs
 from workers.kv_cache import kv_cache_torch_dtype, prepare_fp8_kv_cache
 from workers.layers.fused import enable_compilation
-from workers.layers.linear import link_weight_prefetch
 from workers.loader import load_weights
 from workers.logits_processing import (
     PROMPT_LOGPROBS_CHUNK,
@@ -223,7 +222,6 @@ class ModelRunner:
             model = MODEL_REGISTRY[config.architecture](self.hf_config, config.max_model_len)
         model.to(self.device)  # buffers built on the host (rope tables)
         load_weights(model, config.model, self.hf_config)
-        link_weight_prefetch(model.gemv_layers(), envs.l2_prefetch())
         self.model = model.eval()
         self.attn_layers = model.attention_layers()
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype,

@@ -234,32 +234,25 @@ from triton.compiler import ASTSource
 import kernels.gemv as g
 
 def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False,
-            pdl=False, prefetch=0):
+            pdl=False):
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
            "partial_ptr": "*fp32" if split else "*bf16", "counter_ptr": "*i32" if split and one_launch else "*bf16",
-           "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "h_ptr": "*bf16", "pf0_ptr": "*bf16", "pf0_bytes": "i32",
-           "pf1_ptr": "*bf16", "pf1_bytes": "i32",
+           "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "h_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "k_per_split": "i32",
            "eps": "fp32"}
     constexprs = {"BLOCK_M": 16 if use_dot else 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot,
                   "HAS_BIAS": has_bias, "SPLIT": split, "ONE_LAUNCH": split and one_launch, "EVEN_K": even_k,
                   "WIDEN_DOT": False, "SILU_MUL": silu_mul, "RMS_NORM": rms_norm, "HAS_RESIDUAL": rms_norm,
-                  "PDL": pdl, "PREFETCH_RANGES": prefetch, "LANES": 128}
+                  "PDL": pdl}
     sig.update({name: "constexpr" for name in constexprs})
-    names = list(sig)
-    aligned = [n for n in names if n.endswith("_ptr")] + ["pf0_bytes", "pf1_bytes", "K", "stride_xm", "k_per_split"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 14)}
     kernel = triton.compile(ASTSource(fn=g._gemv_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
     ops = ("wgmma.mma_async", "cp.async", "ld.global.v4", "atom.global.gpu.acq_rel", "ld.global.cg", "bar.sync",
            "div.rn.f32", "div.full.f32", "ex2.approx", "rsqrt.approx", "griddepcontrol.wait",
-           "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global")
-    counts = {op: len(re.findall(re.escape(op), ptx)) for op in ops}
-    # Where the first prefetch, the wait and the early launch sit in the code (-1: absent).
-    counts["order"] = [ptx.find(op) for op in ("cp.async.bulk.prefetch", "griddepcontrol.wait",
-                                               "griddepcontrol.launch_dependents", "ld.global")]
-    return counts
+           "griddepcontrol.launch_dependents")
+    return {op: len(re.findall(re.escape(op), ptx)) for op in ops}
 
 reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
               "stride_ym": "i32", "num_splits": "i32", "BLOCK": "constexpr", "HAS_BIAS": "constexpr"}
@@ -273,9 +266,7 @@ print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
                   "silu": variant(False, True, True, False, 32, 256, silu_mul=True),
                   "norm": variant(False, True, False, True, 32, 256, rms_norm=True),
                   "norm-pdl": variant(False, True, False, True, 32, 256, rms_norm=True, pdl=True),
-                  "dot-pdl": variant(True, True, True, False, 64, 128, pdl=True),
-                  "norm-prefetch-1": variant(False, True, False, True, 32, 256, rms_norm=True, pdl=True, prefetch=1),
-                  "silu-prefetch-2": variant(False, True, True, False, 32, 256, silu_mul=True, pdl=True, prefetch=2)}))
+                  "dot-pdl": variant(True, True, True, False, 64, 128, pdl=True)}))
 """
 
 
@@ -303,13 +294,6 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> 
     for name in ("norm-pdl", "dot-pdl"):
         assert ops[name]["griddepcontrol.wait"] == 1 and ops[name]["griddepcontrol.launch_dependents"] == 1, ops[name]
     assert ops["norm"]["griddepcontrol.wait"] == 0 and ops["dot"]["griddepcontrol.launch_dependents"] == 0
-    # The weights ahead (`prefetch`): one bulk L2 prefetch per range, issued before the wait for the kernel before
-    # and before any load; the next kernel may launch right after that wait, before this one's loads. None without.
-    for name, ranges in (("norm-prefetch-1", 1), ("silu-prefetch-2", 2)):
-        assert ops[name]["cp.async.bulk.prefetch.L2.global"] == ranges, ops[name]
-        prefetch, wait, launch, load = ops[name]["order"]
-        assert 0 <= prefetch < wait < launch < load, ops[name]["order"]
-    assert ops["norm-pdl"]["cp.async.bulk.prefetch.L2.global"] == 0
 
 
 # ---------------------------------------------------------------------------------------- fused prologues
@@ -521,36 +505,6 @@ def test_layers_read_the_maximum_batch_from_the_environment(monkeypatch: pytest.
     assert ReplicatedLinear(4, 4).gemv_max_batch == 1
 
 
-def test_each_layer_is_linked_to_the_weights_the_given_distance_ahead() -> None:
-    from workers.layers.linear import ReplicatedLinear, link_weight_prefetch
-
-    layers = [ReplicatedLinear(4, 4) for _ in range(5)]
-    assert all(layer.l2_prefetch == () for layer in layers)
-    link_weight_prefetch(layers, 1)
-    assert [[w.data_ptr() for w in layer.l2_prefetch] for layer in layers] == (
-        [[layers[i + 1].weight.data_ptr()] for i in range(4)] + [[]])
-    link_weight_prefetch(layers, 2)  # the first layer also asks for the weight between: nothing is left out
-    ahead = [[layers.index(next(x for x in layers if x.weight is w)) for w in layer.l2_prefetch] for layer in layers]
-    assert ahead == [[1, 2], [3], [4], [], []]
-    link_weight_prefetch(layers, 0)
-    assert all(layer.l2_prefetch == () for layer in layers)
-    with pytest.raises(ValueError, match="must be 0, 1 or 2, got 3"):
-        link_weight_prefetch(layers, 3)
-
-
-def test_a_prefetch_changes_no_bit_on_cpu_and_more_than_two_tensors_are_refused() -> None:
-    x, weight, bias = make_inputs(1, 48, 64, torch.bfloat16, True, seed=3)
-    ahead = [torch.randn(64, 64).bfloat16(), torch.randn(8, 8).bfloat16()]
-    assert torch.equal(gemv(x, weight, bias, prefetch=ahead), gemv(x, weight, bias))
-    gate_up = torch.randn(1, 128).bfloat16()
-    assert torch.equal(silu_and_mul_gemv(gate_up, weight, prefetch=ahead[:1]), silu_and_mul_gemv(gate_up, weight))
-    four = ahead * 2
-    for call in (lambda: gemv(x, weight, prefetch=four), lambda: silu_and_mul_gemv(gate_up, weight, prefetch=four),
-                 lambda: add_rms_norm_gemv(x, None, torch.ones(64).bfloat16(), 1e-6, weight, prefetch=four)):
-        with pytest.raises(ValueError, match="gemv prefetches at most 2 tensors, got 4"):
-            call()
-
-
 # ---------------------------------------------------------------------------------------- whole model
 
 
@@ -620,10 +574,10 @@ def test_a_model_decodes_with_gemv_as_with_cublas(tiny_models: dict[str, Path], 
 
 
 def run_one_sequence(model: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
-                     ) -> tuple[list[list[int]], list[torch.Tensor], list[tuple[str, int]]]:
+                     ) -> tuple[list[list[int]], list[torch.Tensor], list[str]]:
     """Prefill one 9-token prompt, then decode it for 3 steps (batch 1) through a CPU ModelRunner in bfloat16, with
     the fused kernels forced on (`fused`) or the plain CPU path. Returns (tokens per step, logits per step, the
-    name of every GEMV kernel function called with the number of tensors it was asked to prefetch)."""
+    name of every GEMV kernel function called)."""
     from common.config import EngineConfig
     from common.protocol import NewRequest, StepPlan, i32
     from tests.conftest import synthetic_prompt
@@ -645,13 +599,13 @@ def run_one_sequence(model: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
         logits.append(compute_logits(hidden))
         return logits[-1]
 
-    calls: list[tuple[str, int]] = []
+    calls: list[str] = []
 
     def counted(name: str) -> object:
         kernel = getattr(gemv_module, name)
 
         def call(*args: object, **kwargs: object) -> object:
-            calls.append((name, len(kwargs.get("prefetch", ()))))
+            calls.append(name)
             return kernel(*args, **kwargs)
         return call
 
@@ -674,11 +628,7 @@ def test_a_decode_step_of_one_sequence_runs_the_norms_and_silu_inside_the_gemvs(
     # Each decode step, each of the 2 layers: norm+qkv, o, norm+gate_up, silu+down; then the LM head. The prefill
     # (9 rows) runs the unfused layers with cuBLAS, and its LM head (1 row) the GEMV.
     layer = ["add_rms_norm_gemv", "gemv", "add_rms_norm_gemv", "silu_and_mul_gemv"]
-    assert [name for name, _ in calls] == ["gemv"] + 3 * (2 * layer + ["gemv"]) and ref_calls == []
-    # Each GEMV of the layers asks for the weight of the one after it (DELTASERVE_L2_PREFETCH's default, 1); the last
-    # layer's down_proj and the LM head for none.
-    gemvs = len(layer) * 2
-    assert [n for _, n in calls[1:1 + gemvs + 1]] == [1] * (gemvs - 1) + [0, 0]
+    assert calls == ["gemv"] + 3 * (2 * layer + ["gemv"]) and ref_calls == []
     assert tokens == ref_tokens
     for out, ref in zip(logits, ref_logits):
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())

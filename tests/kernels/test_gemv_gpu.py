@@ -188,39 +188,6 @@ def test_a_decoder_layers_fused_gemvs_replay_in_a_cuda_graph_with_new_inputs() -
     assert not split_counters._counters[torch.device("cuda", 0)].any()
 
 
-def test_prefetching_the_next_layers_weights_into_l2_changes_no_bit_eagerly_or_in_a_graph() -> None:
-    """Each GEMV of a decoder layer asking L2 for the weights after it (`prefetch`, one and two tensors; sm_90+)
-    gives the bits of the same GEMV without, eagerly and replayed in a CUDA graph; a tensor the kernel cannot
-    prefetch (not contiguous, or misaligned) is left out, not an error."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
-    hidden, inter, qkv = 1024, 3072, 4096
-    w_qkv, w_o, w_gate_up, w_down = (cuda_inputs(1, n, k, torch.bfloat16, False, seed=n + k)[1]
-                                     for n, k in [(qkv, hidden), (hidden, 2048), (2 * inter, hidden), (hidden, inter)])
-    norm_weight = torch.rand(hidden, device="cuda").bfloat16() + 0.5
-    x, residual = torch.randn(1, hidden, device="cuda").bfloat16(), torch.randn(1, hidden, device="cuda").bfloat16()
-    misaligned = w_o.view(-1)[1:1025]
-
-    def layer(prefetch: bool) -> list[torch.Tensor]:
-        ahead = (lambda *ws: ws if prefetch else ())
-        q, h = add_rms_norm_gemv(x, residual, norm_weight, 1e-6, w_qkv, prefetch=ahead(w_o, w_gate_up))
-        o = gemv(q[:, :2048], w_o, prefetch=ahead(w_down, w_qkv[:, :512]))  # the second: not contiguous
-        gate_up, h = add_rms_norm_gemv(o, h, norm_weight, 1e-6, w_gate_up, prefetch=ahead(misaligned))
-        return [q, o, gate_up, silu_and_mul_gemv(gate_up, w_down, prefetch=ahead(w_qkv)), h]
-
-    expected = layer(prefetch=False)
-    assert all(torch.equal(a, b) for a, b in zip(layer(prefetch=True), expected))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = layer(prefetch=True)
-    for seed in (1, 2):
-        generator = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(1, hidden, device="cuda", generator=generator))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(outs, layer(prefetch=False)))
-
-
 def test_a_first_split_k_call_inside_a_capture_says_to_make_an_eager_call_first(
         monkeypatch: pytest.MonkeyPatch) -> None:
     x, weight, bias = cuda_inputs(1, 1024, 3072, torch.bfloat16, with_bias=False, seed=0)

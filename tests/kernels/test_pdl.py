@@ -1,8 +1,9 @@
 """Programmatic dependent launch (kernels/pdl.py), compiled for the H100/H200 (sm90) on this CPU machine: with
 PDL=True each decode kernel waits for the kernel before it (`griddepcontrol.wait`) and lets the next launch
-(`griddepcontrol.launch_dependents`); with PDL=False neither instruction is there. The split decode kernel combines
-its splits in the same launch (an acquire-release arrival counter), the unsplit one has no atomics. (The GEMV's variants are
-checked in test_gemv.py; tests/test_gpu.py runs the decode graphs with PDL on the GPU, bit for bit.)"""
+(`griddepcontrol.launch_dependents`); with PDL=False neither instruction is there. The split decode kernel
+combines its splits in the same launch (an acquire-release arrival counter), the unsplit one has no atomics. (The
+GEMV's variants are checked in test_gemv.py; tests/test_gpu.py runs the decode graphs with PDL on the GPU, bit for
+bit.)"""
 
 from __future__ import annotations
 

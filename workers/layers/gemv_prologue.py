@@ -40,7 +40,7 @@ def norm_then_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | No
     `kernels.gemv.add_rms_norm_gemv` for the one rounding in which they can differ)."""
     from kernels.gemv import add_rms_norm_gemv  # Triton is imported only where it runs
 
-    return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, prefetch=layer.l2_prefetch)
+    return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
 
 
 def silu_and_mul_then_linear(gate_up: torch.Tensor, layer: RowParallelLinear) -> torch.Tensor:
@@ -49,5 +49,5 @@ def silu_and_mul_then_linear(gate_up: torch.Tensor, layer: RowParallelLinear) ->
     The bias is added after the GEMV's rounding, as `RowParallelLinear.forward` adds it after its all-reduce."""
     from kernels.gemv import silu_and_mul_gemv  # Triton is imported only where it runs
 
-    y = silu_and_mul_gemv(gate_up, layer.weight, prefetch=layer.l2_prefetch)
+    y = silu_and_mul_gemv(gate_up, layer.weight)
     return y + layer.bias if layer.bias is not None else y

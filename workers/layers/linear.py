@@ -19,40 +19,21 @@ from workers.parallel import all_reduce, tp_rank, tp_size
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_batch: int,
-           prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_batch: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x `[T, in]`, weight `[out, in]`, bias `[out]` or None -> `[T, out]`.
 
     Runs our small-batch GEMV kernel (`kernels.gemv.gemv`, which reads the weight at memory bandwidth where
     cuBLAS does not) when the fused kernels are on for x (`fused_kernels_enabled`), x is 2-D with 1 to
     `gemv_max_batch` rows (`DELTASERVE_GEMV_MAX_BATCH`; 0 never), and weight is a contiguous bf16/fp16
-    matrix of x's dtype; F.linear otherwise. The GEMV asks L2 for `prefetch` (the next GEMVs' weights) as it runs.
+    matrix of x's dtype; F.linear otherwise.
     """
     if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_batch and fused_kernels_enabled(x)
             and weight.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_contiguous()
             and x.stride(1) == 1 and (bias is None or bias.is_contiguous())):
         from kernels.gemv import gemv  # Triton is imported only where it runs
 
-        return gemv(x, weight, bias, prefetch=prefetch)
+        return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def link_weight_prefetch(layers: list[LinearBase], distance: int) -> None:
-    """Make each layer's GEMV ask L2 for the weight of the layer `distance` places after it in `layers`, the order
-    in which a decode step runs them (the first layer also for those before that one).
-
-    At a decode step of one sequence each GEMV is a few microseconds, mostly latency; with its weight already in L2
-    (prefetched by an earlier GEMV while the kernels in between ran) it is shorter. `distance` 0 unlinks every
-    layer (`DELTASERVE_L2_PREFETCH`); 1 or 2 hold that many weights ahead in L2, besides the one being read.
-
-    Raises:
-        ValueError: `distance` outside 0..2 (a GEMV prefetches at most two tensors).
-    """
-    if not 0 <= distance <= 2:
-        raise ValueError(f"the weight prefetch distance must be 0, 1 or 2, got {distance}")
-    for i, layer in enumerate(layers):
-        ahead = range(1 if i == 0 else distance, distance + 1) if distance else range(0)
-        layer.l2_prefetch = tuple(layers[i + j].weight for j in ahead if i + j < len(layers))
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -67,8 +48,6 @@ class LinearBase(nn.Module):
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
         self.gemv_max_batch = envs.gemv_max_batch()
-        # The weights this layer's GEMV asks L2 for, those of the next layers of a decode step (`link_weight_prefetch`).
-        self.l2_prefetch: tuple[torch.Tensor, ...] = ()
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -81,7 +60,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemv_max_batch, self.l2_prefetch)
+        return linear(x, self.weight, self.bias, self.gemv_max_batch)
 
 
 class ReplicatedLinear(LinearBase):
@@ -179,7 +158,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.gemv_max_batch, self.l2_prefetch)
+        y = linear(x, self.weight, None, self.gemv_max_batch)
         if tp_size() > 1 and self.reduce_results:
             y = all_reduce(y)
         if self.bias is not None and (self.reduce_results or tp_rank() == 0):

@@ -22,7 +22,7 @@ from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.fused import fused_kernels_enabled
 from workers.layers.gemv_prologue import fuses_into_gemv, norm_then_linear, silu_and_mul_then_linear
-from workers.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 
@@ -180,9 +180,3 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def gemv_layers(self) -> list[LinearBase]:
-        """The linear layers of the decoder in the order a decode step runs them (qkv, o, gate_up, down of each
-        layer), for `link_weight_prefetch`; the LM head, hundreds of megabytes, is not among them."""
-        return [linear for layer in self.model.layers for linear in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
