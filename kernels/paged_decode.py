@@ -24,7 +24,6 @@ from kernels.paged_attention import (
     query_for_cache,
 )
 from kernels.pdl import launch_options, pdl_for
-from kernels.prefetch import prefetch_l2
 from kernels.split_counters import split_counters
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
@@ -58,6 +57,7 @@ def _paged_decode_kernel(
     stride_slot,
     num_q_heads,
     GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -73,8 +73,9 @@ def _paged_decode_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # seq_lens and the block tables come from the step's upload, before any kernel of the step: readable before the
-    # wait below, as is the KV of earlier tokens.
+    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
+        tl.extra.cuda.gdc_wait()
+
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits are whole tiles, so only the sequence's last tile needs a mask. A padding row
     # (seq_len == 0) gets empty ranges and reads neither its block table row nor the cache.
@@ -84,16 +85,6 @@ def _paged_decode_kernel(
     unmasked_end = tl.maximum(split_start, split_end // BLOCK_N * BLOCK_N)
     block_table_row_ptr = block_tables_ptr + seq * stride_block_table
     kv_head_offset = kv_head * HEAD_DIM
-    if PDL:  # kernels/pdl.py
-        # Ask L2 for the first tile's keys and values (one row of HEAD_DIM values each) while the kernel before this
-        # one (which stores the newest token's) still runs, then wait for it to finish and flush its memory, and let
-        # the next kernel launch (its own prefetches overlap this one).
-        row_bytes = HEAD_DIM * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        if row_bytes % 16 == 0:
-            _prefetch_first_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, split_start, split_end,
-                                 kv_head_offset, stride_slot, row_bytes, BLOCK_SIZE, BLOCK_N)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -121,6 +112,8 @@ def _paged_decode_kernel(
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
         )
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # An empty range leaves l_i == 0 and acc == 0: its output is zero and its lse is -inf.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
@@ -140,49 +133,35 @@ def _paged_decode_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             tl.debug_barrier()
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, heads, dims, io_mask, rows < GROUP,
-                               stride_out_seq, stride_out_head, num_q_heads, BLOCK_D, NUM_SPLITS)
+                _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, stride_out_seq,
+                               stride_out_head, num_q_heads, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, NUM_SPLITS)
                 tl.store(counter, 0)  # no other program of this launch touches it again
 
 
 @triton.jit
-def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, start, end, kv_head_offset, stride_slot,
-                         ROW_BYTES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One bulk L2 prefetch per key row and per value row of positions [start, min(start + BLOCK_N, end)) of one KV
-    # head (kernels/prefetch.py): 2 * BLOCK_N rows, one or two per thread at 4 warps.
-    rows = tl.arange(0, 2 * BLOCK_N)
-    positions = start + rows % BLOCK_N
-    in_range = positions < end
-    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_range, other=0)
-    offsets = (block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE) * stride_slot + kv_head_offset
-    ptrs = tl.where(rows < BLOCK_N, k_cache_ptr + offsets, v_cache_ptr + offsets)
-    prefetch_l2(ptrs, tl.where(in_range, ROW_BYTES, 0))
-
-
-@triton.jit
-def _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, heads, dims, io_mask, head_mask,
-                   stride_out_seq, stride_out_head, num_q_heads, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    # out[seq, heads] = sum over splits s (in order 0, 1, ...) of 2^(lse_s - max lse) * partial_s, over the sum of
-    # the weights; every split's partial is visible (the counter's acquire), read from L2 (.cg) past this SM's L1.
-    first_rows = (seq * num_q_heads + heads) * NUM_SPLITS
-    lse_max = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(partial_lse_ptr + first_rows + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse_s)
+def _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, stride_out_seq, stride_out_head,
+                   num_q_heads, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # out[seq, h] for the GROUP query heads h of kv_head = the sum over splits s of 2^(lse_s - max lse) * partial_s,
+    # over the sum of the weights. Every split's partial is visible (the counter's acquire); all of them are read at
+    # once, from L2 (.cg) past this SM's L1: one round trip, not one per split.
+    rows = tl.arange(0, GROUP_P2)
+    heads = kv_head * GROUP + rows
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    partial_rows = (seq * num_q_heads + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [GROUP_P2, NUM_SPLITS]
+    row_mask = (rows < GROUP)[:, None]
+    lse = tl.load(partial_lse_ptr + partial_rows, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    partial = tl.load(partial_out_ptr + partial_rows[:, :, None] * BLOCK_D + dims[None, None, :],
+                      mask=row_mask[:, :, None] & (dims < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg")
+    lse_max = tl.max(lse, 1)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    total = tl.zeros(heads.shape, dtype=tl.float32)
-    acc = tl.zeros(io_mask.shape, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(partial_lse_ptr + first_rows + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.math.exp2(lse_s - lse_max)  # an empty split has lse -inf and weight 0
-        partial = tl.load(partial_out_ptr + (first_rows + s)[:, None] * BLOCK_D + dims[None, :], mask=io_mask,
-                          other=0.0, cache_modifier=".cg")
-        total += weight
-        acc += weight[:, None] * partial
+    weights = tl.math.exp2(lse - lse_max[:, None])  # an empty split has lse -inf and weight 0
+    total = tl.sum(weights, 1)
     # All splits empty means a padding row (seq_len == 0): its output is zero.
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out = tl.sum(weights[:, :, None] * partial, 1) / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+             out.to(out_ptr.dtype.element_ty), mask=row_mask & (dims < HEAD_DIM)[None, :])
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int) -> int:
@@ -304,6 +283,7 @@ def paged_attention_decode(
         num_kv_heads * head_dim,
         num_q_heads,
         GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

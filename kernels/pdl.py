@@ -3,16 +3,12 @@
 Between two kernels of one stream the GPU lets the first drain before it launches the second: a gap of idle SMs
 at every boundary, which at a batch-1 decode step (about 200 kernels of 3 to 7 us each) is a large share of the
 step. With PDL a kernel is launched while its predecessor still runs (NVIDIA, "CUDA C++ Programming Guide",
-Programmatic Dependent Launch and Synchronization). Each kernel of ours that takes part waits inside, before it
-reads anything an earlier kernel of the step writes and before any store, for its predecessor to finish and flush
-its memory (`griddepcontrol.wait`, Triton's `tl.extra.cuda.gdc_wait`), and lets its own successor launch
-(`griddepcontrol.launch_dependents`): the GEMV once its main loop is done, the QK-norm/RoPE/KV-store kernel and
-decode attention right after their wait. So every memory effect keeps a plain stream's order; the launch latency
-overlaps, and so do the loads that need no wait: before it, decode attention asks L2 for its first KV tile
-(kernels/prefetch.py). Since a kernel lets its successor launch only after its own wait, every kernel two or more
-places back has finished when a kernel starts: the step's inputs, uploaded before its first kernel, can be read
-before the wait too. A kernel that does not take part (torch's, cuBLAS's) is launched and waited for as before.
-CUDA graphs keep the dependencies as programmatic edges.
+Programmatic Dependent Launch and Synchronization). Each kernel of ours that takes part waits inside, before its
+first load or store, for its predecessor to finish and flush its memory (`griddepcontrol.wait`, Triton's
+`tl.extra.cuda.gdc_wait`), and once its main loop is done lets its own successor launch
+(`griddepcontrol.launch_dependents`). So every memory effect keeps a plain stream's order; only the launch latency
+overlaps. A kernel that does not take part (torch's, cuBLAS's) is launched and waited for as before. CUDA graphs
+keep the dependencies as programmatic edges.
 
 On unless `DELTASERVE_PDL=0` (read once); never for CPU tensors (the Triton interpreter). On the H200 it took a
 batch-1 decode step from 1.17 to 1.03 ms (benchmarks/RESULTS.md, 2026-12-02 fourth session).
