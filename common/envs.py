@@ -117,6 +117,15 @@ def gemv_max_batch() -> int:
     return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
 
 
+def decode_inline_combine() -> bool:
+    """DELTASERVE_DECODE_INLINE_COMBINE: split-KV decode attention (small batches) combines its splits in its own
+    launch, by the last split program of each sequence and KV head to finish, instead of in a second kernel
+    (kernels/paged_decode.py). Default off until this form is timed on a GPU: an earlier one took batch 8 from 1.47
+    to 1.37 ms a step on the H200, beside other changes that cost elsewhere (benchmarks/RESULTS.md, 2026-12-03
+    sixth session)."""
+    return _flag("DELTASERVE_DECODE_INLINE_COMBINE")
+
+
 def eager_sampling() -> bool:
     """DELTASERVE_EAGER_SAMPLING: sample decode steps outside their CUDA graph, the LM head and the sampler launched
     one by one (default off: a decode step whose rows need no logits processing runs its LM head and sampler in a
@@ -201,6 +210,7 @@ def check_all() -> None:
     all_reduce_impl()
     gemv_max_batch()
     eager_sampling()
+    decode_inline_combine()
     pdl()
     step_timeout_s()
     step_timeout_floor_s()

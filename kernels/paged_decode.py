@@ -3,17 +3,21 @@
 Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023):
 when the batch alone cannot fill the GPU, each sequence's KV length is split over `num_splits`
 programs, each producing a partial output and its log-sum-exp, and the partials are combined with
-weights `exp(lse_s - max lse)`: by the last of a (sequence, KV head)'s split programs to finish, in
-the same launch (`kernels/split_counters.py`; a batch-1 step of a 28-layer model launches 28
-kernels fewer than with a second combining kernel), adding the splits in a fixed order so the bits
-never depend on which finished when. Everything is sized from host-side shapes, so a decode step
-can be captured in a CUDA graph and replayed with any sequence lengths.
+weights `exp(lse_s - max lse)` by a second kernel, or (`inline_combine`,
+`DELTASERVE_DECODE_INLINE_COMBINE`) by the last of a (sequence, KV head)'s split programs to finish,
+in the same launch (`kernels/split_counters.py`): a decode step of a 28-layer model at a small batch
+launches 28 kernels fewer. Either way the splits are added in a fixed order, so the bits never
+depend on which finished when. Everything is sized from host-side shapes, so a decode step can be
+captured in a CUDA graph and replayed with any sequence lengths.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from common import envs
 from kernels.kv_store import FP8_KV_DTYPE
 from kernels.paged_attention import (
     LOG2_E,
@@ -164,6 +168,53 @@ def _combine_group(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, stri
              out.to(out_ptr.dtype.element_ty), mask=row_mask & (dims < HEAD_DIM)[None, :])
 
 
+@triton.jit
+def _combine_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    stride_out_seq,
+    stride_out_head,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Program (seq, q_head) merges NUM_SPLITS partial outputs, each normalised by its own softmax
+    # sum, with weights 2^(lse_s - max lse); lse is in base 2.
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    first_row = (seq * num_q_heads + head) * NUM_SPLITS
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # no loop: the successor may launch at once (it waits for this one)
+    lse = tl.load(partial_lse_ptr + first_row + splits)
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
+    weights = tl.math.exp2(lse - lse_max)  # an empty split has lse -inf and weight 0
+    total = tl.sum(weights, 0)
+    partial = tl.load(
+        partial_out_ptr + (first_row + splits)[:, None] * BLOCK_D + dims[None, :],
+        mask=(dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    # All splits empty means a padding row (seq_len == 0): its output is zero.
+    out = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+@functools.cache
+def _inline_combine_requested() -> bool:
+    return envs.decode_inline_combine()
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int) -> int:
     """Number of KV splits per sequence for decode, a power of two in [1, 16].
 
@@ -205,6 +256,7 @@ def paged_attention_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     launch_config: tuple[int, int, int] | None = None,
+    inline_combine: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest token over its whole KV history in the paged cache.
 
@@ -227,6 +279,9 @@ def paged_attention_decode(
             cache in q's dtype.
         launch_config: (BLOCK_N keys per tile, num_warps, num_stages) in place of the tuned default
             (`_decode_launch_config`); for tuning runs (benchmarks/kernels.py sweep).
+        inline_combine: with several splits, the last split program of each (sequence, KV head) to finish
+            combines the splits in the same launch, instead of a second kernel; None reads
+            `DELTASERVE_DECODE_INLINE_COMBINE` (off by default until timed on a GPU: benchmarks/RESULTS.md).
 
     Returns:
         `out`, `[num_seqs, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -254,15 +309,17 @@ def paged_attention_decode(
     block_d = triton.next_power_of_2(head_dim)
     block_n, num_warps, num_stages = launch_config or _decode_launch_config(head_dim, k_cache.dtype, num_splits)
     pdl = pdl_for(q)
+    combine_inline = num_splits > 1 and (_inline_combine_requested() if inline_combine is None else inline_combine)
+    counters = seq_lens  # unused unless the splits are combined inline
     if num_splits == 1:
         partial_out = partial_lse = out  # unused: the kernel writes `out` directly
-        counters = seq_lens
     else:
         partial_out = torch.empty(
             (num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device, num_seqs * num_kv_heads, "paged decode")
+        if combine_inline:
+            counters = split_counters(q.device, num_seqs * num_kv_heads, "paged decode")
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -292,9 +349,24 @@ def paged_attention_decode(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype),
         PDL=pdl,
-        COMBINE=num_splits > 1,
+        COMBINE=combine_inline,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),
     )
+    if num_splits > 1 and not combine_inline:
+        _combine_splits_kernel[(num_seqs, num_q_heads)](
+            partial_out,
+            partial_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            PDL=pdl,
+            num_warps=4,
+            **launch_options(pdl),
+        )
     return out

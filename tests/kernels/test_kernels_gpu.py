@@ -60,9 +60,10 @@ def test_store_kvcache_bf16_writes_slots_and_skips_padding(block_size: int) -> N
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize(("batch", "max_context"), [(1, 4096), (8, 4096), (256, 2048)])
-@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize(("num_splits", "inline_combine"), [(None, False), (None, True), (1, False), (4, False),
+                                                          (4, True)])
 def test_decode_bf16_matches_reference(
-    block_size: int, batch: int, max_context: int, num_splits: int | None
+    block_size: int, batch: int, max_context: int, num_splits: int | None, inline_combine: bool
 ) -> None:
     rng = random.Random(batch * block_size)
     torch.manual_seed(batch * block_size)
@@ -74,7 +75,7 @@ def test_decode_bf16_matches_reference(
     out = torch.full_like(q, float("nan"))
 
     paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, i32(seq_lens).cuda(), SCALE, out=out,
-                           num_splits=num_splits)
+                           num_splits=num_splits, inline_combine=inline_combine)
 
     assert_close_bf16(out, reference_attention(q, kv.keys, kv.values, [1] * batch, SCALE))
     if batch > 1:
@@ -98,7 +99,8 @@ def test_prefill_bf16_mixed_batch_matches_reference(block_size: int) -> None:
     assert_close_bf16(out, reference_attention(q, kv.keys, kv.values, q_lens, SCALE))
 
 
-def test_decode_replayed_from_a_cuda_graph_matches_eager() -> None:
+@pytest.mark.parametrize("inline_combine", [False, True])
+def test_decode_replayed_from_a_cuda_graph_matches_eager(inline_combine: bool) -> None:
     torch.manual_seed(0)
     batch, block_size, max_context = 8, 16, 4096
     kv = make_paged_kv([max_context] * batch, block_size, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
@@ -107,7 +109,8 @@ def test_decode_replayed_from_a_cuda_graph_matches_eager() -> None:
     out = torch.empty_like(q)
 
     def step() -> None:
-        paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, seq_lens, SCALE, out=out)
+        paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, seq_lens, SCALE, out=out,
+                               inline_combine=inline_combine)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()

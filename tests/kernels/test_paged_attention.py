@@ -123,9 +123,10 @@ def prefill(q: torch.Tensor, kv: PagedKV, q_lens: list[int], seq_lens: list[int]
 
 
 def decode(q: torch.Tensor, kv: PagedKV, seq_lens: list[int], scale: float, out: torch.Tensor | None = None,
-           num_splits: int | None = None, launch_config: tuple[int, int, int] | None = None) -> torch.Tensor:
+           num_splits: int | None = None, launch_config: tuple[int, int, int] | None = None,
+           inline_combine: bool | None = None) -> torch.Tensor:
     return paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, i32(seq_lens), scale, out=out,
-                                  num_splits=num_splits, launch_config=launch_config)
+                                  num_splits=num_splits, launch_config=launch_config, inline_combine=inline_combine)
 
 
 def run_prefill(q_lens: list[int], seq_lens: list[int], block_size: int, num_q_heads: int, num_kv_heads: int,
@@ -141,7 +142,8 @@ def run_prefill(q_lens: list[int], seq_lens: list[int], block_size: int, num_q_h
 
 def run_decode(seq_lens: list[int], block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                seed: int, num_splits: int | None, dtype: torch.dtype = torch.float32,
-               launch_config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               launch_config: tuple[int, int, int] | None = None,
+               inline_combine: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode into a NaN-poisoned output; padding rows get NaN queries. Returns (out, reference)."""
     torch.manual_seed(seed)
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
@@ -149,7 +151,7 @@ def run_decode(seq_lens: list[int], block_size: int, num_q_heads: int, num_kv_he
     q[torch.tensor(seq_lens) == 0] = float("nan")
     scale = head_dim**-0.5
     out = decode(q, kv, seq_lens, scale, out=torch.full_like(q, float("nan")), num_splits=num_splits,
-                 launch_config=launch_config)
+                 launch_config=launch_config, inline_combine=inline_combine)
     return out, reference_attention(q, kv.keys, kv.values, [1] * len(seq_lens), scale)
 
 
@@ -245,38 +247,56 @@ def test_prefill_random_batches_match_reference(
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32, 48, 256])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_matches_reference(block_size: int, num_splits: int) -> None:
+@pytest.mark.parametrize(("num_splits", "inline_combine"), [(1, False), (4, False), (4, True)])
+def test_decode_matches_reference(block_size: int, num_splits: int, inline_combine: bool) -> None:
     out, ref = run_decode([1, 64, 65, 200, 17], block_size, 8, 2, 64, seed=block_size + num_splits,
-                          num_splits=num_splits)
+                          num_splits=num_splits, inline_combine=inline_combine)
     assert_matches(out, ref)
 
 
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (6, 2), (4, 1), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("inline_combine", [False, True])
 def test_decode_grouped_query_heads_and_head_dims_match_reference(
-    num_q_heads: int, num_kv_heads: int, head_dim: int
+    num_q_heads: int, num_kv_heads: int, head_dim: int, inline_combine: bool
 ) -> None:
     out, ref = run_decode([3, 130, 40], 16, num_q_heads, num_kv_heads, head_dim,
-                          seed=num_q_heads * 100 + head_dim, num_splits=2)
+                          seed=num_q_heads * 100 + head_dim, num_splits=2, inline_combine=inline_combine)
     assert_matches(out, ref)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 16])
-def test_decode_padding_rows_write_zeros_and_read_nothing(num_splits: int) -> None:
+@pytest.mark.parametrize("inline_combine", [False, True])
+def test_decode_padding_rows_write_zeros_and_read_nothing(num_splits: int, inline_combine: bool) -> None:
     # Padding rows have NaN queries and block-table rows of poison only.
     seq_lens = [0, 50, 0, 0, 129]
-    out, ref = run_decode(seq_lens, 16, 4, 2, 64, seed=num_splits, num_splits=num_splits)
+    out, ref = run_decode(seq_lens, 16, 4, 2, 64, seed=num_splits, num_splits=num_splits,
+                          inline_combine=inline_combine)
     assert torch.equal(out[[0, 2, 3]], torch.zeros_like(out[[0, 2, 3]]))
     assert_matches(out, ref)
 
 
-def test_decode_split_counts_agree() -> None:
+@pytest.mark.parametrize("inline_combine", [False, True])
+def test_decode_split_counts_agree(inline_combine: bool) -> None:
     # 16 splits of a 20-token sequence leaves most splits empty; they must weigh nothing.
     seq_lens = [20, 300, 129, 64]
-    outputs = [run_decode(seq_lens, 32, 4, 2, 64, seed=3, num_splits=n)[0] for n in (1, 2, 8, 16)]
+    outputs = [run_decode(seq_lens, 32, 4, 2, 64, seed=3, num_splits=n, inline_combine=inline_combine)[0]
+               for n in (1, 2, 8, 16)]
     for other in outputs[1:]:
         assert relative_error(other, outputs[0].double()) < 1e-5
+
+
+def test_decode_combines_its_splits_inline_with_the_counters_left_zero_and_the_same_bits_every_call() -> None:
+    """The last split program of each (sequence, KV head) combines the splits (kernels/split_counters.py): every call
+    finds the counters as the last one left them, so the same inputs give the same bits, also after a launch with
+    other sequence lengths."""
+    from kernels import split_counters
+
+    first = run_decode([20, 300, 0, 64], 16, 4, 2, 64, seed=5, num_splits=8, inline_combine=True)[0]
+    run_decode([7, 1, 99, 250], 16, 4, 2, 64, seed=6, num_splits=8, inline_combine=True)
+    again = run_decode([20, 300, 0, 64], 16, 4, 2, 64, seed=5, num_splits=8, inline_combine=True)[0]
+    assert torch.equal(first, again)
+    assert not split_counters._counters[first.device].any()
 
 
 @pytest.mark.parametrize("launch_config", [(32, 2, 1), (64, 4, 3), (128, 4, 2), (128, 8, 4)])
