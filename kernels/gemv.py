@@ -419,7 +419,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     grid = (triton.cdiv(n, config.block_n), num_splits, triton.cdiv(m, block_m))
     one_launch = num_splits > 1 and config.one_launch
     partial = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if num_splits > 1 else y
-    counters = split_counters(x.device, grid[0] * grid[2], "gemv") if one_launch else y
+    # Every grid the heuristic splits has fewer tiles than it wants programs (it splits only below that many).
+    counters = (split_counters(x.device, grid[0] * grid[2], "gemv", _TARGET_PROGRAMS_PER_SM * _num_sms(x.device))
+                if one_launch else y)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else y, y, partial, counters,
         residual if residual is not None else y, norm_weight if norm_weight is not None else y,

@@ -87,8 +87,6 @@ def _paged_decode_kernel(
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     unmasked_end = tl.maximum(split_start, split_end // BLOCK_N * BLOCK_N)
-    block_table_row_ptr = block_tables_ptr + seq * stride_block_table
-    kv_head_offset = kv_head * HEAD_DIM
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -103,6 +101,8 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    block_table_row_ptr = block_tables_ptr + seq * stride_block_table
+    kv_head_offset = kv_head * HEAD_DIM
     for tile_start in range(split_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile_start, seq_len, block_table_row_ptr, k_cache_ptr, v_cache_ptr,
@@ -319,7 +319,8 @@ def paged_attention_decode(
         )
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         if combine_inline:
-            counters = split_counters(q.device, num_seqs * num_kv_heads, "paged decode")
+            # choose_num_splits splits only below _TARGET_PROGRAMS (seq, KV head) programs
+            counters = split_counters(q.device, num_seqs * num_kv_heads, "paged decode", _TARGET_PROGRAMS)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -16,13 +16,7 @@ for the kernel before it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-# Every grid a kernel splits has fewer output tiles than this on a 132-SM GPU (they split only below 4 programs per
-# SM), so the first allocation is the only one in practice.
-_MIN_COUNTERS = 4 * 132
 
 # Workspaces replaced by a larger one stay alive: CUDA graphs captured with them still point at them, and each is left
 # all zeros by every launch.
@@ -30,15 +24,11 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _retired_counters: list[torch.Tensor] = []
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_counters(device: torch.device, tiles: int, kernel: str) -> torch.Tensor:
+def split_counters(device: torch.device, tiles: int, kernel: str, reserve: int = 0) -> torch.Tensor:
     """The device's arrival counters, int32 zeros, at least `tiles` of them; `kernel` names the caller in the error.
+
+    `reserve`: how many a first allocation makes at least, the most output tiles the caller's heuristic ever splits,
+    so that a later, larger grid (say, captured in a CUDA graph) needs no new allocation.
 
     Raises:
         RuntimeError: they must be allocated (first splitting call on the device, or a grid larger than any before)
@@ -51,6 +41,6 @@ def split_counters(device: torch.device, tiles: int, kernel: str) -> torch.Tenso
                                f"one eager split {kernel} call on this device first ({tiles} output tiles)")
         if counters is not None:
             _retired_counters.append(counters)
-        size = max(tiles, _MIN_COUNTERS, 4 * _num_sms(device))
+        size = max(tiles, reserve)
         counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
     return counters
