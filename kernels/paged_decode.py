@@ -279,9 +279,10 @@ def paged_attention_decode(
             cache in q's dtype.
         launch_config: (BLOCK_N keys per tile, num_warps, num_stages) in place of the tuned default
             (`_decode_launch_config`); for tuning runs (benchmarks/kernels.py sweep).
-        inline_combine: with several splits, the last split program of each (sequence, KV head) to finish
-            combines the splits in the same launch, instead of a second kernel; None reads
-            `DELTASERVE_DECODE_INLINE_COMBINE` (off by default until timed on a GPU: benchmarks/RESULTS.md).
+        inline_combine: with several splits, the last split program of each (sequence, KV
+            head) to finish combines the splits in the same launch, instead of a second
+            kernel; None reads `DELTASERVE_DECODE_INLINE_COMBINE` (off by default until timed
+            on a GPU: benchmarks/RESULTS.md).
 
     Returns:
         `out`, `[num_seqs, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -289,7 +290,8 @@ def paged_attention_decode(
     Raises:
         ValueError: on mismatched shapes, dtypes or strides, a num_splits that is not a
             positive power of two, or a scale that is not positive and finite (or not 1.0 where
-            the cache is not fp8).
+            the cache is not fp8); with inline_combine None, a DELTASERVE_DECODE_INLINE_COMBINE
+            that is not a boolean word.
 
     Algorithm: FlashAttention-2 online softmax per split, Flash-Decoding log-sum-exp combine.
     No tensor value is read on the host, so the call is CUDA-graph capturable.
