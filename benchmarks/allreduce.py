@@ -1,5 +1,5 @@
 """All-reduce on N GPUs of one host: NCCL, PyTorch symmetric memory's one-shot kernel, and ours
-(kernels/all_reduce.py, what workers/parallel.py uses), per call, inside CUDA graphs as a decode
+(gpu_kernels/all_reduce.py, what workers/parallel.py uses), per call, inside CUDA graphs as a decode
 step runs them; and what a decoder layer really does after each row-parallel layer: our all-reduce
 followed by the residual add + RMSNorm (compiled, as the model runs it) against the kernel that
 fuses all three.

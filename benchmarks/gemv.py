@@ -1,4 +1,4 @@
-"""Small-batch GEMV (`kernels/gemv.py`) against cuBLAS (`F.linear`) on the linear layers of Qwen3-0.6B and 8B.
+"""Small-batch GEMV (`gpu_kernels/gemv.py`) against cuBLAS (`F.linear`) on the linear layers of Qwen3-0.6B and 8B.
 
     python benchmarks/gemv.py [--batches 1 2 4 8 16] [--json FILE] [--fused-only | --pdl]
 
@@ -20,7 +20,7 @@ norm+qkv, norm+gate_up) against the compiled layer (torch.compile, as the model 
 GEMV; and the sum over one Qwen3-0.6B decoder layer times 28, unfused (11 launches a layer) against fused (4).
 
 `--pdl`: only each decoder layer's M = 1 GEMV launched plainly and with programmatic dependent launch
-(`DELTASERVE_PDL`, kernels/pdl.py), with the time a batch-1 step's 112 GEMVs would save.
+(`DELTASERVE_PDL`, gpu_kernels/pdl.py), with the time a batch-1 step's 112 GEMVs would save.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.envs import GEMV_MAX_BATCH_DEFAULT  # noqa: E402
-from kernels.gemv import GemvConfig, add_rms_norm_gemv, choose_gemv_config, gemv, silu_and_mul_gemv  # noqa: E402
+from gpu_kernels.gemv import GemvConfig, add_rms_norm_gemv, choose_gemv_config, gemv, silu_and_mul_gemv  # noqa: E402
 
 DTYPE = torch.bfloat16
 L2_DEFEAT_BYTES = 256 << 20
@@ -155,9 +155,9 @@ def fused_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> 
 
 def pdl_rows(args: argparse.Namespace, device: torch.device, num_sms: int) -> list[dict]:
     """Each Qwen3-0.6B decoder layer's GEMV at M = 1 (one launch, as a decode step runs it) launched plainly and
-    with programmatic dependent launch (DELTASERVE_PDL, kernels/pdl.py): the time of one call in a graph of
+    with programmatic dependent launch (DELTASERVE_PDL, gpu_kernels/pdl.py): the time of one call in a graph of
     `args.calls` calls, and whether the outputs are the same bits."""
-    from kernels import pdl
+    from gpu_kernels import pdl
 
     shapes = {layer: (n, k) for model, layer, n, k in SHAPES if model == "0.6B" and layer != "lm_head"}
     print("\nQwen3-0.6B decode GEMVs at M=1 without and with programmatic dependent launch, us a call")

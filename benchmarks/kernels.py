@@ -4,7 +4,7 @@
     python benchmarks/kernels.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
     python benchmarks/kernels.py sweep [fp8] # the decode kernel's launch configurations (tuning; fp8: that cache only)
 
-Sampling rows time `kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
+Sampling rows time `gpu_kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
 151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays
 the call in a CUDA graph (as the engine runs it), so host launch overhead is not counted. "greedy" is every
 row at T=0 through the same kernel (no noise evaluated); "mixed" is half the rows at T=0; "torch argmax"
@@ -31,8 +31,8 @@ from triton.testing import do_bench
 # The repository root must come before benchmarks/, where this file would shadow the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import choose_num_splits, paged_attention_decode, paged_attention_prefill  # noqa: E402
-from kernels.sampling import choose_chunk_size, sample_candidates  # noqa: E402
+from gpu_kernels import choose_num_splits, paged_attention_decode, paged_attention_prefill  # noqa: E402
+from gpu_kernels.sampling import choose_chunk_size, sample_candidates  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 DTYPE = torch.bfloat16

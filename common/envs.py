@@ -13,10 +13,17 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
+def _raw(name: str, default: str) -> str:
+    """The text of variable `name`; `default` when it is unset or blank (`NAME= command` means the default, as
+    for the boolean variables)."""
+    raw = os.environ.get(name, "")
+    return raw if raw.strip() else default
+
+
 def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str) -> float:
-    """The float in variable `name` (`default` when unset), refused unless > `minimum` (or == with
+    """The float in variable `name` (`default` when unset or blank), refused unless > `minimum` (or == with
     `allow_minimum`). NaN and non-numbers are refused: NaN compares false with every bound."""
-    raw = os.environ.get(name, default)
+    raw = _raw(name, default)
     try:
         value = float(raw)
     except ValueError:
@@ -28,16 +35,16 @@ def _number(name: str, default: str, minimum: float, allow_minimum: bool, meanin
 
 
 def _whole_number(name: str, default: str, meaning: str) -> int:
-    """The integer >= 0 in variable `name` (`default` when unset), written in decimal digits."""
-    raw = os.environ.get(name, default)
+    """The integer >= 0 in variable `name` (`default` when unset or blank), written in decimal digits."""
+    raw = _raw(name, default)
     if not (raw.strip().isascii() and raw.strip().isdigit()):
         raise ValueError(f"{name} must be a whole number >= 0 ({meaning}), got {raw!r}")
     return int(raw)
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """The value of variable `name` (`default` when unset), refused unless one of `choices`."""
-    value = os.environ.get(name, default)
+    """The value of variable `name` (`default` when unset or blank), refused unless one of `choices`."""
+    value = _raw(name, default)
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value
@@ -111,7 +118,7 @@ GEMV_MAX_BATCH_DEFAULT = 1  # the H200 run of benchmarks/gemv.py: ours wins at b
 
 def gemv_max_batch() -> int:
     """DELTASERVE_GEMV_MAX_BATCH: the most rows (the tokens of a step: at decode, the batch) for which the linear
-    layers and the LM head multiply with our small-batch GEMV kernel (`kernels/gemv.py`) instead of cuBLAS, where
+    layers and the LM head multiply with our small-batch GEMV kernel (`gpu_kernels/gemv.py`) instead of cuBLAS, where
     the fused kernels are on (CUDA without `enforce_eager`) and the weights are bf16/fp16 (default 1; 0 = always
     cuBLAS). Read when the model is built."""
     return _whole_number("DELTASERVE_GEMV_MAX_BATCH", str(GEMV_MAX_BATCH_DEFAULT), meaning="rows; 0 = off")
@@ -120,7 +127,7 @@ def gemv_max_batch() -> int:
 def decode_inline_combine() -> bool:
     """DELTASERVE_DECODE_INLINE_COMBINE: split-KV decode attention (small batches) combines its splits in its own
     launch, by the last split program of each sequence and KV head to finish, instead of in a second kernel
-    (kernels/paged_decode.py). Default off until this form is timed on a GPU: an earlier one took batch 8 from 1.47
+    (gpu_kernels/paged_decode.py). Default off until this form is timed on a GPU: an earlier one took batch 8 from 1.47
     to 1.37 ms a step on the H200, beside other changes that cost elsewhere (benchmarks/RESULTS.md, 2026-12-03
     sixth session)."""
     return _flag("DELTASERVE_DECODE_INLINE_COMBINE")
@@ -136,7 +143,7 @@ def eager_sampling() -> bool:
 def pdl() -> bool:
     """DELTASERVE_PDL: launch the decode step's Triton kernels (the GEMVs, the QK-norm/RoPE/KV-store kernel, decode
     attention) with programmatic dependent launch on GPUs of compute capability 9.0 and later
-    (kernels/pdl.py): each waits in the kernel for the one before it instead of at its launch. Default on (on the
+    (gpu_kernels/pdl.py): each waits in the kernel for the one before it instead of at its launch. Default on (on the
     H200 a batch-1 decode step took 1.03 ms with it, 1.17 ms without, the same tokens: benchmarks/RESULTS.md);
     0 turns it off."""
     return _flag("DELTASERVE_PDL", default=True)

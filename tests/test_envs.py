@@ -13,7 +13,7 @@ from frontend.launcher import EngineProcesses
 from tests.test_config import write_checkpoint
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "NaN", "soon", ""])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "NaN", "soon"])
 def test_client_silence_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_CLIENT_SILENCE_S", value)
     with pytest.raises(ValueError, match=r"DELTASERVE_CLIENT_SILENCE_S must be a number > 0 \(seconds\), got"):
@@ -34,7 +34,7 @@ def test_step_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.MonkeyP
         envs.step_timeout_s()
 
 
-@pytest.mark.parametrize("value", ["bogus", "NCCL", ""])
+@pytest.mark.parametrize("value", ["bogus", "NCCL"])
 def test_all_reduce_must_be_auto_or_nccl(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_ALL_REDUCE", value)
     with pytest.raises(ValueError, match="DELTASERVE_ALL_REDUCE must be one of 'auto', 'nccl', got"):
@@ -50,7 +50,19 @@ def test_gemv_max_batch_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> 
     assert envs.gemv_max_batch() == 0
 
 
-@pytest.mark.parametrize("value", ["-1", "2.5", "1e3", "eight", "", "\u00b2"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_blank_variable_means_its_default_for_every_kind(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """`NAME= command` asks for the default, for numbers and choices as for the boolean variables."""
+    for name in ("DELTASERVE_GEMV_MAX_BATCH", "DELTASERVE_CLIENT_SILENCE_S", "DELTASERVE_ALL_REDUCE",
+                 "DELTASERVE_CHECK_INVARIANTS"):
+        monkeypatch.setenv(name, value)
+    assert envs.gemv_max_batch() == envs.GEMV_MAX_BATCH_DEFAULT
+    assert envs.client_silence_s() == 60.0
+    assert envs.all_reduce_impl() == "auto"
+    assert envs.check_invariants() is False
+
+
+@pytest.mark.parametrize("value", ["-1", "2.5", "1e3", "eight", "\u00b2"])
 def test_gemv_max_batch_must_be_a_whole_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", value)
     with pytest.raises(ValueError, match=r"DELTASERVE_GEMV_MAX_BATCH must be a whole number >= 0 \(rows; 0 = off\)"):
@@ -138,7 +150,7 @@ def test_an_unusable_step_log_dir_or_profile_dir_stops_the_engine_before_any_pro
 def test_pdl_is_on_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from kernels import pdl
+    from gpu_kernels import pdl
 
     for value, requested in (("", True), ("1", True), ("0", False), ("off", False)):
         monkeypatch.setenv("DELTASERVE_PDL", value)

@@ -215,9 +215,9 @@ def test_sampling_in_the_decode_graph_draws_the_tokens_of_eager_sampling(tiny_qw
 @pytest.mark.parametrize("batch", [1, 4])
 def test_programmatic_dependent_launch_changes_no_bit(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch,
                                                       batch: int) -> None:
-    """DELTASERVE_PDL=1 (kernels/pdl.py) launches the decode kernels early, each waiting inside for the one before:
+    """DELTASERVE_PDL=1 (gpu_kernels/pdl.py) launches the decode kernels early, each waiting inside for the one before:
     the same arithmetic, so the same tokens and the same hidden states, in CUDA graphs (batch 1: the fused GEMVs)."""
-    from kernels import pdl
+    from gpu_kernels import pdl
     from workers.model_runner import ModelRunner
 
     if torch.cuda.get_device_capability()[0] < 9:

@@ -130,7 +130,7 @@ def test_seeded_filtered_requests_on_gpu_do_not_depend_on_the_batch(tiny_qwen3: 
 def test_after_the_warm_up_no_batch_size_compiles_a_sampling_kernel() -> None:
     import triton
 
-    from kernels.sampling import compile_for_batches
+    from gpu_kernels.sampling import compile_for_batches
 
     compile_for_batches(256, VOCAB, torch.bfloat16, CUDA)
     compiled: list[str] = []

@@ -4,7 +4,7 @@ for the keys and one for the values (`kv_cache_dtype="fp8"`, vLLM's name; "auto"
 An fp8 element holds `e4m3(x / scale)`, 1 byte instead of 2 (bf16) or 4 (fp32), so the same memory
 holds twice (four times) the tokens and a decode step reads half the bytes of KV cache. e4m3 keeps
 3 mantissa bits (a relative rounding error of at most 2^-4, against bf16's 2^-8) over normal values
-from 2^-6 to 448 times the scale. See `kernels/fp8.py` for the rounding.
+from 2^-6 to 448 times the scale. See `gpu_kernels/fp8.py` for the rounding.
 
 How the scales are chosen. Before the cache exists, each worker runs one prefill of a calibration
 batch (`CALIBRATION_SEQS` sequences of `CALIBRATION_LEN` token ids drawn uniformly from the

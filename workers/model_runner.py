@@ -444,7 +444,7 @@ class ModelRunner:
         """What a sampling graph runs: the LM head on `hidden` `[bs, hidden]`, the fused sampler with the graph
         inputs' temperatures and seeds (temperature 0: argmax), the tokens into `last_sampled` (padding rows into
         its scratch entry) and into `graph_inputs["tokens"]`."""
-        from kernels.sampling import sample_candidates
+        from gpu_kernels.sampling import sample_candidates
 
         g = self.graph_inputs
         logits = self.model.compute_logits(hidden)

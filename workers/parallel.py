@@ -6,7 +6,7 @@ collectives run over NCCL, on CPU over gloo, so the same code is tested in CI.
 All-reduce on GPUs. A decode step of a 36-layer model sums 73 small activations (two a layer plus
 the embedding; 2 MiB each at batch 256 and hidden 4096), so the latency of each all-reduce, not
 bandwidth, is what tensor parallelism pays. Tensors up to `PEER_ALL_REDUCE_MAX_BYTES` go through
-our one-shot all-reduce over peer-mapped memory (kernels/all_reduce.py: each rank pushes its
+our one-shot all-reduce over peer-mapped memory (gpu_kernels/all_reduce.py: each rank pushes its
 tensor into the others' buffers over NVLink and sums what it received, one kernel, flags per
 program instead of a grid-wide barrier); the buffers come from PyTorch symmetric memory, which
 maps every rank's allocation into every process (no NVLink multicast needed). Larger tensors
@@ -42,7 +42,7 @@ _peer_all_reduce: PeerAllReduce | None = None
 
 
 class PeerAllReduce:
-    """Sum over the group with kernels/all_reduce.py, for tensors of `dtype` up to `max_bytes`.
+    """Sum over the group with gpu_kernels/all_reduce.py, for tensors of `dtype` up to `max_bytes`.
 
     Capturable in CUDA graphs. Every rank must call it with the same shapes in the same order, as
     for any collective, and with one dtype (the kernel's buffer reuse relies on both).
@@ -54,7 +54,7 @@ class PeerAllReduce:
     def __init__(self, device: torch.device, max_bytes: int, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels import all_reduce as kernel
+        from gpu_kernels import all_reduce as kernel
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if 2 * sms < kernel.GRID:

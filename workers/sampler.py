@@ -19,7 +19,7 @@ gives every rank the token, the same token TP=1 picks. That replaces gathering t
 (39 MB a decode step of batch 256 at vocabulary 152k in bf16) to one rank and broadcasting its
 tokens back.
 
-On CUDA the whole batch is sampled by one fused Triton kernel (`kernels/sampling.py`, in-kernel
+On CUDA the whole batch is sampled by one fused Triton kernel (`gpu_kernels/sampling.py`, in-kernel
 Philox noise: the logits are read once); on CPU by the torch code below (float64 scores, noise
 from torch generators). The two draw different noise, so seeded samples are reproducible per
 device type.
@@ -81,7 +81,7 @@ class Sampler:
         its chunk size varies with the batch, and a variant compiled mid-run held a decode step 0.4-0.7 s on
         the H200 (benchmarks/RESULTS.md, 2026-12-02 second session). Draws no seeds."""
         if self.fused:
-            from kernels.sampling import compile_for_batches
+            from gpu_kernels.sampling import compile_for_batches
 
             compile_for_batches(max_rows, vocab_slice, dtype, self.device, self.vocab_start)
 
@@ -137,7 +137,7 @@ class Sampler:
             return best_across_ranks(scores, tokens + self.vocab_start)
         assert seeds is not None
         if self.fused:
-            from kernels.sampling import sample_candidates
+            from gpu_kernels.sampling import sample_candidates
 
             # Through pinned memory: a copy from pageable memory may wait for the forward still running.
             seeds_dev = to_device(seeds, self.device)
@@ -149,7 +149,7 @@ class Sampler:
     def _sample_whole(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: np.ndarray) -> torch.Tensor:
         """Rows that hold the whole vocabulary (on every rank): the token, with no exchange between ranks."""
         if self.fused:
-            from kernels.sampling import sample_candidates
+            from gpu_kernels.sampling import sample_candidates
 
             return sample_candidates(logits, temperatures, to_device(seeds, self.device))[1]
         return self._cpu_candidates(logits, temperatures, seeds, vocab_start=0, vocab_size=logits.shape[1])[1]

@@ -1,4 +1,4 @@
-"""The one-shot peer-memory all-reduce kernel (kernels/all_reduce.py).
+"""The one-shot peer-memory all-reduce kernel (gpu_kernels/all_reduce.py).
 
 On CPU the ranks are processes under the Triton interpreter that share their "symmetric" buffers
 through shared memory, so the kernel's pushes, epoch flags, double buffering and rank-order sum
@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 pytest.importorskip("triton")
-from kernels import all_reduce as ar  # noqa: E402
+from gpu_kernels import all_reduce as ar  # noqa: E402
 
 MAX_BYTES = 4 << 20
 # Calls of mixed sizes: one element, partial chunks, and more chunks than programs (several per

@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
-from kernels.fp8 import e4m3_codes  # noqa: E402
+from gpu_kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
+from gpu_kernels.fp8 import e4m3_codes  # noqa: E402
 from tests.kernels.test_paged_attention import reference_attention, relative_error  # noqa: E402
 from tests.kernels.test_rope_kv_store import EPS, cos_sin_table, make_case, run_model, unfused  # noqa: E402
 from workers.attention.torch_backend import store_kv_torch  # noqa: E402

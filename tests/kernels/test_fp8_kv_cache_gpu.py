@@ -22,8 +22,8 @@ import triton.language as tl  # noqa: E402
 
 from benchmarks.gpu_correctness import check_logprobs_close, runner_greedy  # noqa: E402
 from deltaserve import SamplingParams  # noqa: E402
-from kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
-from kernels.fp8 import e4m3_codes  # noqa: E402
+from gpu_kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
+from gpu_kernels.fp8 import e4m3_codes  # noqa: E402
 from tests.conftest import synthetic_prompt  # noqa: E402
 from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, prompt_ids  # noqa: E402
 from tests.test_kv_cache_fp8 import engine_scales, hf_greedy_with_e4m3_kv  # noqa: E402

@@ -22,9 +22,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels.gemv as gemv_module  # noqa: E402
-from kernels import split_counters  # noqa: E402
-from kernels.gemv import (  # noqa: E402
+import gpu_kernels.gemv as gemv_module  # noqa: E402
+from gpu_kernels import split_counters  # noqa: E402
+from gpu_kernels.gemv import (  # noqa: E402
     GemvConfig,
     add_rms_norm_gemv,
     choose_gemv_config,
@@ -231,7 +231,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels.gemv as g
+import gpu_kernels.gemv as g
 
 def variant(use_dot, split, even_k, has_bias, block_n, block_k, one_launch=True, silu_mul=False, rms_norm=False,
             pdl=False):
@@ -289,7 +289,7 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> 
     # The prologues: SiLU's division and exp as torch.compile's kernel has them, the norm's rsqrt and mean.
     assert ops["silu"]["div.full.f32"] > 0 and ops["silu"]["ex2.approx"] > 0
     assert ops["norm"]["rsqrt.approx"] > 0 and ops["norm"]["div.rn.f32"] > 0 and ops["fma"]["div.full.f32"] == 0
-    # DELTASERVE_PDL (kernels/pdl.py): the wait for the kernel before, and the early launch of the one after; none
+    # DELTASERVE_PDL (gpu_kernels/pdl.py): the wait for the kernel before, and the early launch of the one after; none
     # without it.
     for name in ("norm-pdl", "dot-pdl"):
         assert ops[name]["griddepcontrol.wait"] == 1 and ops[name]["griddepcontrol.launch_dependents"] == 1, ops[name]

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import split_counters  # noqa: E402
-from kernels.gemv import add_rms_norm_gemv, choose_gemv_config, gemv, silu_and_mul_gemv  # noqa: E402
+from gpu_kernels import split_counters  # noqa: E402
+from gpu_kernels.gemv import add_rms_norm_gemv, choose_gemv_config, gemv, silu_and_mul_gemv  # noqa: E402
 
 from .test_gemv import assert_rounded_float32_sum, ulps_apart  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 import triton
 import triton.language as tl
 
-import kernels
+import gpu_kernels
 
 # Under TRITON_INTERPRET=1 triton.jit makes an InterpretedFunction, on a GPU a JITFunction: both are
 # KernelInterfaces holding the Python function as .fn.
@@ -27,8 +27,8 @@ _KERNEL = triton.runtime.KernelInterface
 
 def _jitted_functions() -> list[tuple[str, _KERNEL]]:
     found = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+    for info in pkgutil.iter_modules(gpu_kernels.__path__):
+        module = importlib.import_module(f"gpu_kernels.{info.name}")
         for name, value in vars(module).items():
             if isinstance(value, _KERNEL) and value.fn.__module__ == module.__name__:
                 found.append((f"{module.__name__}.{name}", value))

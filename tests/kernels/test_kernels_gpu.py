@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
+from gpu_kernels import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store, store_kvcache  # noqa: E402
 
 from .test_paged_attention import i32, make_paged_kv, reference_attention, relative_error  # noqa: E402
 from .test_rope_kv_store import EPS, assert_matches_unfused, cos_sin_table, make_case, unfused  # noqa: E402

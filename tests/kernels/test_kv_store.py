@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import store_kvcache  # noqa: E402
+from gpu_kernels import store_kvcache  # noqa: E402
 
 
 def nan_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import (  # noqa: E402
+from gpu_kernels import (  # noqa: E402
     choose_num_splits,
     paged_attention_decode,
     paged_attention_prefill,
@@ -287,10 +287,10 @@ def test_decode_split_counts_agree(inline_combine: bool) -> None:
 
 
 def test_decode_combines_its_splits_inline_with_the_counters_left_zero_and_the_same_bits_every_call() -> None:
-    """The last split program of each (sequence, KV head) combines the splits (kernels/split_counters.py): every call
-    finds the counters as the last one left them, so the same inputs give the same bits, also after a launch with
-    other sequence lengths."""
-    from kernels import split_counters
+    """The last split program of each (sequence, KV head) combines the splits (gpu_kernels/split_counters.py): every
+    call finds the counters as the last one left them, so the same inputs give the same bits, also after a launch
+    with other sequence lengths."""
+    from gpu_kernels import split_counters
 
     first = run_decode([20, 300, 0, 64], 16, 4, 2, 64, seed=5, num_splits=8, inline_combine=True)[0]
     run_decode([7, 1, 99, 250], 16, 4, 2, 64, seed=6, num_splits=8, inline_combine=True)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py), compiled for the H100/H200 (sm90) on this CPU machine: with
+"""Programmatic dependent launch (gpu_kernels/pdl.py), compiled for the H100/H200 (sm90) on this CPU machine: with
 PDL=True each decode kernel waits for the kernel before it (`griddepcontrol.wait`) and lets the next launch
 (`griddepcontrol.launch_dependents`); with PDL=False neither instruction is there. The split decode kernel can
 combine its splits in the same launch (an acquire-release arrival counter); without that, and unsplit, it has no
@@ -20,8 +20,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.paged_decode import _combine_splits_kernel, _paged_decode_kernel
-from kernels.rope_kv_store import _qk_norm_rope_store_kernel
+from gpu_kernels.paged_decode import _combine_splits_kernel, _paged_decode_kernel
+from gpu_kernels.rope_kv_store import _qk_norm_rope_store_kernel
 
 TYPES = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
          "counter_ptr": "*i32",

@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
-from kernels import qk_norm_rope_store  # noqa: E402
+import gpu_kernels  # noqa: E402
+from gpu_kernels import qk_norm_rope_store  # noqa: E402
 from workers.attention.torch_backend import store_kv_torch  # noqa: E402
 from workers.layers.norm import rms_norm  # noqa: E402
 from workers.layers.rotary import apply_rotary  # noqa: E402
@@ -238,7 +238,7 @@ def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "to
                                        for i, (p, b) in enumerate(zip(prompts, blocks))])]
     plans += [StepPlan(s, decode_seq_ids=i32([0, 1, 2])) for s in range(1, 7)]
     logits: list[torch.Tensor] = []
-    compute_logits, kernel = runner.model.compute_logits, kernels.qk_norm_rope_store
+    compute_logits, kernel = runner.model.compute_logits, gpu_kernels.qk_norm_rope_store
     calls = 0
 
     def recorded(hidden: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ def run_model(model: Path, dtype: str, fused: bool, attention_backend: str = "to
 
     tokens = []
     with pytest.MonkeyPatch.context() as mp, force_fused_kernels() if fused else contextlib.nullcontext():
-        mp.setattr(kernels, "qk_norm_rope_store", counted)
+        mp.setattr(gpu_kernels, "qk_norm_rope_store", counted)
         mp.setattr(runner.model, "compute_logits", recorded)
         for plan in plans:
             tokens.append(runner.finalize(runner.execute(plan)).tolist())

@@ -1,4 +1,4 @@
-"""The fused sampling kernel (kernels/sampling.py) against softmax(logits / T) and argmax."""
+"""The fused sampling kernel (gpu_kernels/sampling.py) against softmax(logits / T) and argmax."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernels.sampling import (  # noqa: E402
+from gpu_kernels.sampling import (  # noqa: E402
     choose_chunk_size,
     chunk_size_representatives,
     compile_for_batches,

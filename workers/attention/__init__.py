@@ -1,7 +1,7 @@
 """Attention backends behind one interface, chosen by name.
 
 - "torch": plain torch over the paged cache; runs anywhere (the CPU path).
-- "triton": our Triton kernels (`kernels/`); needs a GPU, or TRITON_INTERPRET=1 on CPU (tests).
+- "triton": our Triton kernels (`gpu_kernels/`); needs a GPU, or TRITON_INTERPRET=1 on CPU (tests).
 - "flash-attn": FlashAttention-4 (`flash_attn.cute`) or flash-attn 2 (`flash_attn`), whichever is
   installed; CUDA only.
 - "auto": triton on a GPU, torch on CPU. On an H200 our Triton kernels beat FlashAttention-4 on the

@@ -44,7 +44,7 @@ class AttentionBackend(ABC):
     read from the cache like any other context).
 
     `forward` is `store` then `attend`. A model whose k/v for this step were already written into
-    the cache by a fused kernel (`kernels/rope_kv_store.py`) calls `attend` alone.
+    the cache by a fused kernel (`gpu_kernels/rope_kv_store.py`) calls `attend` alone.
 
     The caches hold the model's dtype, or float8 e4m3fn (an fp8 KV cache, `workers/kv_cache.py`):
     `store` then writes `e4m3(k / k_scale)` and `e4m3(v / v_scale)`, and `attend` reads

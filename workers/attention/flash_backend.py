@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ExplainedError
-from kernels import store_kvcache
+from gpu_kernels import store_kvcache
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
 FA4_HEAD_DIMS = (64, 96, 128)

@@ -1,11 +1,11 @@
-"""Attention with our own Triton kernels (`kernels/`): KV store, varlen paged prefill, split-KV decode;
+"""Attention with our own Triton kernels (`gpu_kernels/`): KV store, varlen paged prefill, split-KV decode;
 over a cache in the model's dtype or an fp8 (e4m3fn) one."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import paged_attention_decode, paged_attention_prefill, store_kvcache
+from gpu_kernels import paged_attention_decode, paged_attention_prefill, store_kvcache
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
 

@@ -4,7 +4,7 @@ It reshapes q/k/v into heads and hands them, with this layer's slice of the KV c
 step's `AttentionMetadata`, to the worker's attention backend (torch, Triton or FlashAttention),
 which stores k/v into the cache by slot mapping and attends over the cached context. `attend`
 skips the store, for a model whose fused kernel already wrote this step's k/v into `k_cache` and
-`v_cache` (`kernels/rope_kv_store.py`). An fp8 cache comes with this layer's `k_scale` and `v_scale`
+`v_cache` (`gpu_kernels/rope_kv_store.py`). An fp8 cache comes with this layer's `k_scale` and `v_scale`
 (`workers/kv_cache.py`), set by the model runner before the cache is bound.
 """
 

@@ -1,5 +1,5 @@
 """Fused kernels on CUDA: `torch.compile` for the small element-wise layers (RMSNorm, SiLU-and-mul,
-RoPE), and the switch for hand-written Triton fusions (`kernels/rope_kv_store.py`).
+RoPE), and the switch for hand-written Triton fusions (`gpu_kernels/rope_kv_store.py`).
 
 Each of these layers is several element-wise torch ops; compiled, each becomes one fused kernel,
 which matters at decode where a step runs hundreds of tiny kernels. On CPU, or when the worker
@@ -44,7 +44,7 @@ def force_fused_kernels() -> Iterator[None]:
     """Within the block, use the Triton fusions whatever the device (tests).
 
     On CPU the kernels run under the Triton interpreter, so `TRITON_INTERPRET=1` must be set
-    before `kernels` is first imported.
+    before `gpu_kernels` is first imported.
     """
     global _forced
     saved, _forced = _forced, True

@@ -2,7 +2,7 @@
 
 A decode step at batch 1 is hundreds of tiny kernels, each costing a launch gap and a ramp. Where the linear
 layers take our GEMV (`workers/layers/linear.py` `linear`) with one row per program, the layer before each can
-compute the GEMV's input features as the GEMV loads them (`kernels/gemv.py`): the residual add and RMSNorm before
+compute the GEMV's input features as the GEMV loads them (`gpu_kernels/gemv.py`): the residual add and RMSNorm before
 the qkv and gate_up projections, SiLU-and-mul before down_proj. Three launches of a decoder layer go, with the
 round trips of their activations.
 
@@ -18,7 +18,7 @@ from workers.layers.linear import LinearBase, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.parallel import tp_size
 
-# The fused kernels run one batch row per program: the GEMV's own path at batch 1 (kernels/gemv.py).
+# The fused kernels run one batch row per program: the GEMV's own path at batch 1 (gpu_kernels/gemv.py).
 PROLOGUE_MAX_BATCH = 1
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -37,8 +37,8 @@ def norm_then_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | No
     """`(layer(norm(x + residual)), x + residual)` in one kernel; with `residual` None, `(layer(norm(x)), x)`.
 
     x, residual `[T, hidden]` -> (`[T, out]`, `[T, hidden]`), as `norm` then `layer` compute them (see
-    `kernels.gemv.add_rms_norm_gemv` for the one rounding in which they can differ)."""
-    from kernels.gemv import add_rms_norm_gemv  # Triton is imported only where it runs
+    `gpu_kernels.gemv.add_rms_norm_gemv` for the one rounding in which they can differ)."""
+    from gpu_kernels.gemv import add_rms_norm_gemv  # Triton is imported only where it runs
 
     return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
 
@@ -47,7 +47,7 @@ def silu_and_mul_then_linear(gate_up: torch.Tensor, layer: RowParallelLinear) ->
     """`layer(silu_and_mul(gate_up))` in one kernel: gate_up `[T, 2 * I]` -> `[T, out]`.
 
     The bias is added after the GEMV's rounding, as `RowParallelLinear.forward` adds it after its all-reduce."""
-    from kernels.gemv import silu_and_mul_gemv  # Triton is imported only where it runs
+    from gpu_kernels.gemv import silu_and_mul_gemv  # Triton is imported only where it runs
 
     y = silu_and_mul_gemv(gate_up, layer.weight)
     return y + layer.bias if layer.bias is not None else y

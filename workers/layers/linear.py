@@ -3,7 +3,7 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
 rank's part of a checkpoint tensor into it, so the loader never needs to know the layout.
 Weights are `[out_features, in_features]` as in `torch.nn.Linear`. At a small batch (decode) the
-matmul runs through our GEMV kernel (`kernels/gemv.py`, see `linear`), otherwise through cuBLAS.
+matmul runs through our GEMV kernel (`gpu_kernels/gemv.py`, see `linear`), otherwise through cuBLAS.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_batch: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x `[T, in]`, weight `[out, in]`, bias `[out]` or None -> `[T, out]`.
 
-    Runs our small-batch GEMV kernel (`kernels.gemv.gemv`, which reads the weight at memory bandwidth where
+    Runs our small-batch GEMV kernel (`gpu_kernels.gemv.gemv`, which reads the weight at memory bandwidth where
     cuBLAS does not) when the fused kernels are on for x (`fused_kernels_enabled`), x is 2-D with 1 to
     `gemv_max_batch` rows (`DELTASERVE_GEMV_MAX_BATCH`; 0 never), and weight is a contiguous bf16/fp16
     matrix of x's dtype; F.linear otherwise.
@@ -30,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_batch and fused_kernels_enabled(x)
             and weight.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_contiguous()
             and x.stride(1) == 1 and (bias is None or bias.is_contiguous())):
-        from kernels.gemv import gemv  # Triton is imported only where it runs
+        from gpu_kernels.gemv import gemv  # Triton is imported only where it runs
 
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

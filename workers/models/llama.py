@@ -4,7 +4,7 @@ Matches `transformers`' LlamaForCausalLM on the same weights: pre-norm decoder l
 grouped-query attention, SwiGLU MLP, tied or untied LM head. q/k/v and gate/up are fused
 matmuls; `packed_modules_mapping` tells the loader which checkpoint tensor fills which part.
 When the fused kernels are on (CUDA, not `enforce_eager`), QK-norm, RoPE and the KV-cache store
-run as one Triton kernel (`kernels/rope_kv_store.py`) between the qkv projection and attention, and at a
+run as one Triton kernel (`gpu_kernels/rope_kv_store.py`) between the qkv projection and attention, and at a
 decode step of one sequence (TP 1) the norms and SiLU-and-mul run inside the GEMVs after them
 (`workers/layers/gemv_prologue.py`).
 """
@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
                                meta: AttentionMetadata) -> torch.Tensor:
         """qkv `[T, (Hq + 2*Hk) * D]` -> q `[T, Hq, D]` normed and rotated; k normed, rotated and v
         stored into this layer's KV cache; one kernel, same numbers as the unfused path."""
-        from kernels import qk_norm_rope_store  # Triton is imported only where it runs
+        from gpu_kernels import qk_norm_rope_store  # Triton is imported only where it runs
 
         q_weight = k_weight = None
         eps = 0.0

@@ -33,7 +33,7 @@ The design follows the split-K GEMV kernels of the Triton community for decode (
 Wright et al. 2024), with a deterministic reduction in place of their atomic adds of partial sums: the
 "last block" pattern of the CUDA samples' threadFenceReduction, where only an arrival counter is atomic.
 
-Split-K counters: `kernels/split_counters.py`, one persistent zeroed workspace per device that each launch leaves
+Split-K counters: `gpu_kernels/split_counters.py`, one persistent zeroed workspace per device that each launch leaves
 zeroed. A caller that captures CUDA graphs must make one eager split-K call on each device before the first capture
 (the model runner's warm-up forward does): allocating inside a capture raises.
 """
@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.pdl import launch_options, pdl_for
-from kernels.rounding import round_to
-from kernels.split_counters import split_counters
+from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.rounding import round_to
+from gpu_kernels.split_counters import split_counters
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -294,7 +294,7 @@ def _gemv_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w_ptr + w_rows[:, None] * K + (k_start + cols)[None, :]
-    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
+    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished and its memory is visible
         tl.extra.cuda.gdc_wait()
     if USE_DOT:
         batch = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,10 +1,10 @@
 """Arrival counters for kernels whose last-finishing program combines the partial results of a split ("last block").
 
-A kernel split over K (`kernels/gemv.py`) or over a sequence's KV (`kernels/paged_decode.py`) writes one partial result
-per split; each program then adds one to its output tile's counter (an atomic add with acquire-release semantics), and
-the program that arrives last combines all partials in a fixed order, writes the output and sets the counter back to 0.
-One launch instead of two, and the bits never depend on which split finished when (the CUDA samples'
-threadFenceReduction pattern, with only the counter atomic).
+A kernel split over K (`gpu_kernels/gemv.py`) or over a sequence's KV (`gpu_kernels/paged_decode.py`) writes one
+partial result per split; each program then adds one to its output tile's counter (an atomic add with acquire-release
+semantics), and the program that arrives last combines all partials in a fixed order, writes the output and sets the
+counter back to 0. One launch instead of two, and the bits never depend on which split finished when (the CUDA
+samples' threadFenceReduction pattern, with only the counter atomic).
 
 One persistent int32 workspace per device, zeroed once when first allocated and left zeroed by every launch. A
 caller that captures CUDA graphs must make one eager call of each splitting kernel on the device before the first

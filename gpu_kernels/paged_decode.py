@@ -5,7 +5,7 @@ when the batch alone cannot fill the GPU, each sequence's KV length is split ove
 programs, each producing a partial output and its log-sum-exp, and the partials are combined with
 weights `exp(lse_s - max lse)` by a second kernel, or (`inline_combine`,
 `DELTASERVE_DECODE_INLINE_COMBINE`) by the last of a (sequence, KV head)'s split programs to finish,
-in the same launch (`kernels/split_counters.py`): a decode step of a 28-layer model at a small batch
+in the same launch (`gpu_kernels/split_counters.py`): a decode step of a 28-layer model at a small batch
 launches 28 kernels fewer. Either way the splits are added in a fixed order, so the bits never
 depend on which finished when. Everything is sized from host-side shapes, so a decode step can be
 captured in a CUDA graph and replayed with any sequence lengths.
@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from common import envs
-from kernels.kv_store import FP8_KV_DTYPE
-from kernels.paged_attention import (
+from gpu_kernels.kv_store import FP8_KV_DTYPE
+from gpu_kernels.paged_attention import (
     LOG2_E,
     MIN_DOT_ROWS,
     attend_kv_tile,
@@ -27,8 +27,8 @@ from kernels.paged_attention import (
     dot_precision,
     query_for_cache,
 )
-from kernels.pdl import launch_options, pdl_for
-from kernels.split_counters import split_counters
+from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.split_counters import split_counters
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
 _TARGET_PROGRAMS = 512
@@ -77,7 +77,7 @@ def _paged_decode_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:  # kernels/pdl.py: the kernel before this one has finished and its memory is visible
+    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished and its memory is visible
         tl.extra.cuda.gdc_wait()
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -133,7 +133,7 @@ def _paged_decode_kernel(
         tl.store(partial_lse_ptr + partial_row, lse, mask=rows < GROUP)
         if COMBINE:
             # The last of the NUM_SPLITS programs of (seq, kv_head) to get here combines their partials
-            # (kernels/split_counters.py); all of this program's partials are stored before its counter release.
+            # (gpu_kernels/split_counters.py); all of this program's partials are stored before its counter release.
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             tl.debug_barrier()
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:

@@ -15,7 +15,7 @@ query heads that read it, so every KV tile is loaded once per group. Query rows 
 least 16 so that `tl.dot` can use tensor cores.
 
 fp8 KV cache: the caches may hold float8 e4m3fn codes with one dequantization scale for the keys
-and one for the values of the layer (`kernels/kv_store.py`). A tile is widened as it is loaded, to fp16
+and one for the values of the layer (`gpu_kernels/kv_store.py`). A tile is widened as it is loaded, to fp16
 for a bf16 q (`query_for_cache`: one conversion instruction per two values on sm89+, where e4m3 -> bf16
 takes several) and to q's dtype otherwise, exactly in both (every e4m3 value is a bf16 and an fp16
 value); the scales never touch a tile: `q . (s_k k) = s_k (q . k)` goes into the softmax scale,
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import FP8_KV_DTYPE, check_kv_scales
+from gpu_kernels.kv_store import FP8_KV_DTYPE, check_kv_scales
 
 LOG2_E = math.log2(math.e)
 MIN_DOT_ROWS = 16

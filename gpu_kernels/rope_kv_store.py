@@ -16,9 +16,9 @@ dtype, multiplies by the weight (float32 product, rounded to the model dtype); R
 `[x1*cos - x2*sin, x2*cos + x1*sin]` in float32 and rounds to the model dtype. The kernel is
 compiled without floating-point contraction (no fused multiply-add), like eager torch.
 
-The cache layout is that of `kernels/kv_store.py`: `[num_blocks, block_size, num_kv_heads,
+The cache layout is that of `gpu_kernels/kv_store.py`: `[num_blocks, block_size, num_kv_heads,
 head_dim]`, contiguous, slot `s = block_id * block_size + offset`. An fp8 cache (float8 e4m3fn) gets
-`e4m3(x * (1 / scale))` of the values above, rounded as `store_kvcache` rounds them (`kernels/fp8.py`),
+`e4m3(x * (1 / scale))` of the values above, rounded as `store_kvcache` rounds them (`gpu_kernels/fp8.py`),
 so the fused and the unfused paths store the same bytes. vLLM does the same work with
 two kernels: `fused_qk_norm_rope` (norm and rotation in place) and `reshape_and_cache_flash`.
 """
@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import e4m3_bits
-from kernels.kv_store import check_kv_cache
-from kernels.pdl import launch_options, pdl_for
-from kernels.rounding import round_to
+from gpu_kernels.fp8 import e4m3_bits
+from gpu_kernels.kv_store import check_kv_cache
+from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.rounding import round_to
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _qk_norm_rope_store_kernel(
     half_dims = tl.arange(0, BLOCK_HALF)
     dim_mask = half_dims < HALF
     rows = tl.arange(0, HEADS_PER_PROGRAM)
-    if PDL:  # kernels/pdl.py: the kernel before this one has finished; the next may launch (it waits for this one)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished; the next may launch (it waits for this one)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     position = tl.load(positions_ptr + token).to(tl.int64)

@@ -1,11 +1,11 @@
 """Writing this step's keys and values into the paged KV cache.
 
-The cache layout is FlashAttention's paged layout, shared with `kernels/paged_prefill.py` and
-`kernels/paged_decode.py`: `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads,
+The cache layout is FlashAttention's paged layout, shared with `gpu_kernels/paged_prefill.py` and
+`gpu_kernels/paged_decode.py`: `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads,
 head_dim]`, contiguous, so slot `s = block_id * block_size + offset` is the row
 `k_cache.view(-1, num_kv_heads, head_dim)[s]`.
 
-The cache holds the model's dtype, or float8 e4m3fn (the fp8 KV cache, `kernels/fp8.py`): then each
+The cache holds the model's dtype, or float8 e4m3fn (the fp8 KV cache, `gpu_kernels/fp8.py`): then each
 element is stored as `e4m3(x / scale)`, with one scale for all keys and one for all values of a
 layer, and the kernels that read the cache multiply by the scale again.
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import e4m3_bits
+from gpu_kernels.fp8 import e4m3_bits
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
@@ -112,7 +112,7 @@ def store_kvcache(
         k_cache, v_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, in the
             key's dtype (copied as they are) or float8 e4m3fn (each element stored as
             `e4m3(x * (1 / scale))` computed in float32, rounded to nearest even, saturating at
-            +-448; see `kernels/fp8.py`).
+            +-448; see `gpu_kernels/fp8.py`).
         slot_mapping: `[num_tokens]`, int32 or int64. Token `i` is written to flat slot
             `slot_mapping[i] = block_id * block_size + offset_in_block`; a slot of `-1` marks a
             padding token, for which nothing is written.

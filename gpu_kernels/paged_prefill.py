@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import (
+from gpu_kernels.paged_attention import (
     LOG2_E,
     MIN_DOT_ROWS,
     attend_kv_tile,
