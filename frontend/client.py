@@ -497,11 +497,17 @@ class StreamedOutput:
                              first.index, samples[1:], last.error_type)
 
 
+# The metrics every `--json` line carries, null where a request has none (one refused before it ran).
+JSON_METRICS = ("ttft_s", "e2e_s", "num_preemptions", "queue_s")
+
+
 def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:
     """One line of `--json` output (client and launch.py): the prompt, `output_dict` with the metrics
-    flattened in."""
+    flattened in; every key of `JSON_METRICS` is present, None where `out` lacks it, so that a failed
+    prompt's line has the same keys as a finished one's."""
     row = {"prompt": prompt, **output_dict(out)}
-    row.update(row.pop("metrics"))
+    metrics = row.pop("metrics")
+    row.update({key: None for key in JSON_METRICS}, **metrics)
     return row
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from common.protocol import RequestOutput
 from deltaserve import LLM, SamplingParams
+from frontend.client import JSON_METRICS, json_row
 from launch import decode_rate, run_prompts
 from tests.conftest import REPO
 from tests.test_engine_e2e import llm  # noqa: F401  (the engine fixture, started once for this module)
@@ -26,6 +28,17 @@ def test_the_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_t
     assert decode_rate(11, ttft_s=0.5, e2e_s=1.5) == pytest.approx(10.0)  # not 11 / 1.5 = 7.3
     assert decode_rate(1, ttft_s=0.5, e2e_s=0.5) is None  # one token: no decode phase to time
     assert decode_rate(0, ttft_s=0.0, e2e_s=0.1) is None
+
+
+def test_a_failed_prompts_json_row_has_the_same_keys_as_a_finished_ones_with_null_timings() -> None:
+    finished = RequestOutput("a", "Hi", [1, 2], True, "length", None, 3, 0,
+                             {"ttft_s": 0.1, "e2e_s": 0.3, "num_preemptions": 0, "queue_s": 0.01})
+    refused = RequestOutput("b", finished=True, finish_reason="error", error="too long", num_prompt_tokens=9)
+
+    ok, failed = json_row("x", finished), json_row("y", refused)
+    assert list(ok) == list(failed)
+    assert ok["ttft_s"] == 0.1 and ok["queue_s"] == 0.01 and ok["prompt"] == "x"
+    assert all(failed[key] is None for key in JSON_METRICS) and failed["error"] == "too long"
 
 
 def test_json_rows_carry_ttft_and_the_decode_rate_and_progress_goes_to_stderr(
