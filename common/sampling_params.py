@@ -252,7 +252,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string, a list of them, or None, got {quote(self.stop)}")
+                raise ValueError(f"stop must be a non-empty string or a list of them, or None, got {quote(self.stop)}")
             self.stop = list(self.stop)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:

@@ -4,8 +4,9 @@ option's default, errors in one line, and messages that name the option a user t
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -35,7 +36,12 @@ def readme_section(name: str) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose errors are one line and a pointer to --help, exit status 2: the
-    usage block of every option printed before a one-line mistake buried the mistake."""
+    usage block of every option printed before a one-line mistake buried the mistake. Options are never
+    abbreviated: argparse's prefix matching read the client's `--prompt hi` as `--prompt-logprobs hi`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         # A bad environment variable is not among the options --help lists: point at README's section on it.
@@ -47,4 +53,7 @@ class ArgumentParser(argparse.ArgumentParser):
         ("max_tokens must be ..."): the field is named by its option instead ("--max-tokens must be ...")."""
         field, sep, rest = message.partition(" ")
         option = next((a.option_strings[0] for a in self._actions if a.dest == field and a.option_strings), None)
-        self.error(f"{option}{sep}{rest}" if option else message)
+        if option is None:
+            self.error(message)
+        # An option has no None to give: "an integer in [0, 20] or None, got 99" says less to a command line.
+        self.error(f"{option}{sep}{re.sub(r',? or None(?=, got )', '', rest)}")

@@ -560,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m frontend.client", formatter_class=HelpFormatter,
                        description="Submit prompts to a running deltaserve engine and print the answers.")
     p.add_argument("prompts", nargs="*", help="prompt texts")
+    p.add_argument("--prompt", action="append", default=[], dest="prompt_options", metavar="TEXT",
+                   help="a prompt, as launch.py takes them (repeatable; after the positional prompts)")
     p.add_argument("--host", default="127.0.0.1", help="host of the engine (launch.py --serve --host)")
     p.add_argument("--port", type=int, default=8000, help="port of the engine (launch.py --serve --port), 1..65535")
     p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
@@ -587,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="this client's CURVE key pair (a .key_secret file), for a server that admits only listed "
                         "clients (--client-allowed-keys); default: a fresh pair")
     args = p.parse_args(argv)
+    args.prompts += args.prompt_options
     profiling = args.start_profile is not None or args.stop_profile
     if profiling and (args.prompts or (args.start_profile is not None and args.stop_profile)):
         p.error("--start-profile and --stop-profile are used alone (no prompts, not both at once)")

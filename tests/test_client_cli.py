@@ -17,8 +17,9 @@ UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: the .invalid top-level domain
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--seed", "-1"], "--seed must be an integer in [0, 2**63) or None, got -1"),
-    (["--seed", str(2**63)], f"--seed must be an integer in [0, 2**63) or None, got {2**63}"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),  # no "or None": an option has none
+    (["--seed", str(2**63)], f"--seed must be an integer in [0, 2**63), got {2**63}"),
+    (["--logprobs", "21"], "--logprobs must be an integer in [0, 20], got 21"),
     (["--max-tokens", "0"], "--max-tokens must be an integer in [1, 2**63), got 0"),
     (["--temperature", "-1"], "--temperature must be a finite number in [0, 3.4e38]"),
 ])
@@ -53,6 +54,24 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused_naming_the_argument(chat:
     assert exit_info.value.code == 2
     assert "prompt argument 2 is not UTF-8 text: byte 0xe9 at character 3 cannot be decoded" in err, err
     assert "messages[0]" not in err
+
+
+def test_prompt_options_follow_the_positional_prompts_as_in_launch_py(capsys) -> None:
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--timeout", "1", "--prompt", bad, "fine"])
+
+    assert exit_info.value.code == 2
+    assert "prompt argument 2 is not UTF-8 text" in capsys.readouterr().err  # "fine" first, then --prompt's
+
+
+def test_an_abbreviated_option_is_refused_not_matched_to_a_longer_one(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--timeout", "1", "--prompt-log", "3", "hi"])  # argparse alone would take it for --prompt-logprobs
+
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unrecognized arguments: --prompt-log " in err, err
 
 
 def test_a_latin1_byte_from_the_shell_is_refused_naming_the_argument() -> None:
