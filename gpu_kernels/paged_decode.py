@@ -229,7 +229,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
 
 
 def _decode_launch_config(head_dim: int, cache_dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, num_warps, num_stages), tuned on an H200 (`benchmarks/kernels.py sweep`).
+    """(BLOCK_N keys per tile, num_warps, num_stages), tuned on an H200 (`benchmarks/kernel_bench.py sweep`).
 
     Unsplit (a large batch), 128-key tiles: bf16 287 us against 299 us for 64-key tiles at batch 256 and
     contexts 100..2000 (3.97 TB/s), and an fp8 cache 218 us against 316 us (its tile is widened to fp16 in
@@ -278,7 +278,7 @@ def paged_attention_decode(
         k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
             cache in q's dtype.
         launch_config: (BLOCK_N keys per tile, num_warps, num_stages) in place of the tuned default
-            (`_decode_launch_config`); for tuning runs (benchmarks/kernels.py sweep).
+            (`_decode_launch_config`); for tuning runs (benchmarks/kernel_bench.py sweep).
         inline_combine: with several splits, the last split program of each (sequence, KV
             head) to finish combines the splits in the same launch, instead of a second
             kernel; None reads `DELTASERVE_DECODE_INLINE_COMBINE` (off by default until timed

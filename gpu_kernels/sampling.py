@@ -10,7 +10,7 @@ g // 4. That mapping depends only on (seed, g), never on the chunk or block size
 rank's `vocab_offset`. A row with T == 0 takes the plain argmax by a scalar branch that evaluates
 no Philox at all, so in a mixed batch only the sampled rows pay for noise.
 
-Cost (reasoning; the GPU numbers come from `python benchmarks/kernels.py sampling`): the noise is
+Cost (reasoning; the GPU numbers come from `python benchmarks/kernel_bench.py sampling`): the noise is
 integer work, not memory traffic. Philox4x32-10 is 10 rounds of two 32x32->64-bit multiplies and
 a few xors on four words; spent on one entry (the old `tl.rand` per entry, one word used) it
 dominated the kernel (0.19 ms at batch 256 on an H200, against 0.04 ms to read the bf16 logits);

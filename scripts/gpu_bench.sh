@@ -55,7 +55,7 @@ timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 --outp
 timeout 300 python3 benchmarks/latency.py --model "$ckpt" --input-len 1024 --output-len 1 --batch-size 32 \
     --max-num-batched-tokens 32768 --num-iters-warmup 3 --num-iters 10 --json "$out/prefill.json" 2>&1 \
     | tee "$out/prefill.log"
-timeout 200 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.log"
+timeout 200 python3 benchmarks/kernel_bench.py 2>&1 | tee "$out/kernels.log"
 fi
 if want batch1; then
 # Issue 15 target 2: on 2026-12-01 batch 1 decoded at 2.13 ms a token at temperature 1 (latency.py) against

@@ -12,6 +12,9 @@ from pathlib import PurePosixPath
 from tests.conftest import REPO
 
 OURS = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").exists() and p.name != "tests") + ["launch"]
+# `python benchmarks/x.py` puts benchmarks/ first on sys.path, so each script's name shadows a module of that name
+# (benchmarks/kernels.py hid Hugging Face's `kernels` from transformers in the gate script).
+SCRIPTS = sorted(p.stem for folder in ("benchmarks", "scripts") for p in (REPO / folder).glob("*.py"))
 
 
 def _top_level_modules(dist: importlib.metadata.Distribution) -> set[str]:
@@ -28,14 +31,15 @@ def _top_level_modules(dist: importlib.metadata.Distribution) -> set[str]:
     return names
 
 
-def test_no_installed_distribution_provides_a_module_named_like_one_of_our_packages() -> None:
+def test_no_installed_distribution_provides_a_module_named_like_one_of_our_packages_or_scripts() -> None:
     assert {"common", "frontend", "scheduler_proc", "workers", "gpu_kernels", "deltaserve"} <= set(OURS)
+    assert {"gpu_correctness", "throughput", "latency"} <= set(SCRIPTS)
     clashes = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"] or ""
         if name.lower() == "deltaserve":
             continue
-        for module in _top_level_modules(dist) & set(OURS):
+        for module in _top_level_modules(dist) & set(OURS + SCRIPTS):
             clashes.setdefault(module, []).append(name)
     assert not clashes, f"installed distributions provide modules named like ours: {clashes}"
 

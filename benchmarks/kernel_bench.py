@@ -1,8 +1,8 @@
 """Micro-benchmark of the Triton paged-attention and sampling kernels on one GPU (Qwen3-0.6B shapes).
 
-    python benchmarks/kernels.py             # attention, then sampling
-    python benchmarks/kernels.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
-    python benchmarks/kernels.py sweep [fp8] # the decode kernel's launch configurations (tuning; fp8: that cache only)
+    python benchmarks/kernel_bench.py             # attention, then sampling
+    python benchmarks/kernel_bench.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
+    python benchmarks/kernel_bench.py sweep [fp8] # the decode kernel's launch configurations (tuning; fp8: that cache only)
 
 Sampling rows time `gpu_kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
 151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("sweep_cache", nargs="?", choices=["fp8"], help="with sweep: only the fp8 KV cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
     if args.mode == "sampling":
         bench_sampling()
