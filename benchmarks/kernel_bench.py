@@ -1,8 +1,8 @@
 """Micro-benchmark of the Triton paged-attention and sampling kernels on one GPU (Qwen3-0.6B shapes).
 
-    python benchmarks/kernel_bench.py             # attention, then sampling
-    python benchmarks/kernel_bench.py sampling    # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
-    python benchmarks/kernel_bench.py sweep [fp8] # the decode kernel's launch configurations (tuning; fp8: that cache only)
+    python benchmarks/kernel_bench.py              # attention, then sampling
+    python benchmarks/kernel_bench.py sampling     # only the sampler: batch 256 and 1, T=0.6, greedy, mixed
+    python benchmarks/kernel_bench.py sweep [fp8]  # the decode kernel's launch configurations (fp8: that cache only)
 
 Sampling rows time `gpu_kernels.sampling.sample_candidates` (both stages) on bf16 logits of the whole
 151,936-entry vocabulary, as device time: the median of `triton.testing.do_bench_cudagraph`, which replays

@@ -1,8 +1,8 @@
 """Every environment variable deltaserve reads, in one place.
 
 Each reader refuses a bad value with a `ValueError` naming the variable, the value and what is
-accepted; an unset or blank variable means its default; `check_all()` reads them all, so the launcher refuses a bad setting before it starts
-any process.
+accepted; an unset or blank variable means its default; `check_all()` reads them all, so the launcher
+refuses a bad setting before it starts any process.
 """
 
 from __future__ import annotations
