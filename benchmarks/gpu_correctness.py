@@ -412,13 +412,16 @@ def main() -> int:
     ap.add_argument("--demo-gguf", default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf, converted here (gate 2)")
     ap.add_argument("--demo-model", default=None, help="the converted demo model folder (gate 2)")
     ap.add_argument("--backends", nargs="+", default=["triton", "flash-attn", "torch"])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default="bfloat16", help="of our runs and of the low-precision transformers runs")
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="fewer for a quick check (at most 32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not (args.model or args.demo_gguf or args.demo_model):
         ap.error("give --model and/or --demo-gguf / --demo-model")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda (the default) needs a CUDA GPU; --device cpu --backends torch --dtype float32 checks "
+                 "the script itself on a CPU")
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         if args.model:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -129,8 +130,19 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Start one engine, measure every batch size of `args.batch_size` on it in turn, return the numbers."""
-    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-latency-steps-")
+    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR", "").strip()
+    if step_dir:
+        return _run(args, step_dir)
+    step_dir = tempfile.mkdtemp(prefix="deltaserve-latency-steps-")  # ours: removed when done
     os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
+    try:
+        return _run(args, step_dir)
+    finally:
+        del os.environ["DELTASERVE_STEP_LOG_DIR"]
+        shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, step_dir: str) -> list[dict]:
     from deltaserve import LLM
 
     engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(*args.batch_size, 256),

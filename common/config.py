@@ -92,6 +92,8 @@ class EngineConfig:
             raise ConfigError(f"model folder {self.model!r} does not exist (models load from local folders)")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"model folder {self.model!r} has no config.json: not a Hugging Face checkpoint")
+        # The processes start in the repository's folder, not the caller's: a relative path must not travel.
+        object.__setattr__(self, "model", os.path.abspath(self.model))
         positive("max_model_len", self.max_model_len, allow_none=True)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -120,6 +122,8 @@ class EngineConfig:
         object.__setattr__(self, "served_model_name", None if names is None else tuple(names))
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer folder {self.tokenizer!r} does not exist")
+        if self.tokenizer is not None:
+            object.__setattr__(self, "tokenizer", os.path.abspath(os.fspath(self.tokenizer)))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -141,7 +145,7 @@ class EngineConfig:
                 raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        if self.profile_dir is not None:  # the processes run in the repository's folder, not the caller's
+        if self.profile_dir is not None:  # as for the model: the processes run in the repository's folder
             object.__setattr__(self, "profile_dir", os.path.abspath(os.fspath(self.profile_dir)))
         if isinstance(self.profile_steps, (list, tuple)) and len(self.profile_steps) == 2:
             object.__setattr__(self, "profile_steps", ":".join(str(s) for s in self.profile_steps))

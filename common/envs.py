@@ -7,6 +7,7 @@ refuses a bad setting before it starts any process.
 
 from __future__ import annotations
 
+import math
 import os
 
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -20,17 +21,23 @@ def _raw(name: str, default: str) -> str:
     return raw if raw.strip() else default
 
 
+def _text(name: str) -> str | None:
+    """The text of variable `name`; None when it is unset or blank (only spaces included)."""
+    raw = os.environ.get(name, "")
+    return raw if raw.strip() else None
+
+
 def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str) -> float:
-    """The float in variable `name` (`default` when unset or blank), refused unless > `minimum` (or == with
-    `allow_minimum`). NaN and non-numbers are refused: NaN compares false with every bound."""
+    """The finite float in variable `name` (`default` when unset or blank), refused unless > `minimum` (or == with
+    `allow_minimum`). NaN, infinities and non-numbers are refused (NaN compares false with every bound)."""
     raw = _raw(name, default)
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not (value >= minimum if allow_minimum else value > minimum):
+    if not (value >= minimum if allow_minimum else value > minimum) or not math.isfinite(value):
         bound = f"{'>=' if allow_minimum else '>'} {minimum:g}"
-        raise ValueError(f"{name} must be a number {bound} ({meaning}), got {raw!r}")
+        raise ValueError(f"{name} must be a finite number {bound} ({meaning}), got {raw!r}")
     return value
 
 
@@ -64,6 +71,17 @@ def _flag(name: str, default: bool = False) -> bool:
                      f"(any case), got {raw!r}")
 
 
+# Variables holding a folder path. The launcher starts its processes in the repository's folder, so it hands them
+# these as absolute paths, resolved against its own working directory (`absolute_paths`).
+PATH_VARIABLES = ("DELTASERVE_CACHE", "DELTASERVE_STEP_LOG_DIR")
+
+
+def absolute_paths(env: dict[str, str]) -> dict[str, str]:
+    """`env` with each non-blank `PATH_VARIABLES` entry made absolute against this process's working directory."""
+    return {**env, **{name: os.path.abspath(os.path.expanduser(env[name])) for name in PATH_VARIABLES
+                      if env.get(name, "").strip()}}
+
+
 def usable_folder(path: str, what: str) -> str:
     """`path`, created if missing; raises `ValueError` naming `what` (a variable or an option) if it
     cannot be created or is not a folder this process may write to."""
@@ -79,7 +97,7 @@ def usable_folder(path: str, what: str) -> str:
 def cache_dir() -> str:
     """DELTASERVE_CACHE: where the demo model and downloaded test assets are kept (~/.cache/deltaserve).
     Created if missing; `ValueError` if it cannot be."""
-    path = os.environ.get("DELTASERVE_CACHE")
+    path = _text("DELTASERVE_CACHE")
     return usable_folder(path, "DELTASERVE_CACHE") if path else os.path.join(os.path.expanduser("~"), ".cache",
                                                                              "deltaserve")
 
@@ -95,7 +113,7 @@ def step_log_dir() -> str | None:
     """DELTASERVE_STEP_LOG_DIR: every process appends one JSON line of timing per step to
     `<dir>/<process name>.jsonl` (scheduler: planning; workers: input preparation, device time,
     device idle time before the step). Created if missing; `ValueError` if it cannot be."""
-    path = os.environ.get("DELTASERVE_STEP_LOG_DIR")
+    path = _text("DELTASERVE_STEP_LOG_DIR")
     return usable_folder(path, "DELTASERVE_STEP_LOG_DIR") if path else None
 
 
@@ -198,8 +216,8 @@ def frontend_timeout_s() -> float:
 
 def api_key() -> str | None:
     """DELTASERVE_API_KEY: the key HTTP clients must send (`Authorization: Bearer KEY`) on every /v1 route
-    (unset or empty: none needed); `launch.py --api-key` sets it for the HTTP server processes."""
-    return os.environ.get("DELTASERVE_API_KEY") or None
+    (unset or blank: none needed); `launch.py --api-key` sets it for the HTTP server processes."""
+    return _text("DELTASERVE_API_KEY")
 
 
 def http_max_body_bytes() -> int:

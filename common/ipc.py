@@ -31,6 +31,24 @@ from common.curve import CurveKeys
 
 STOP_REASON_FILE = "stop-reason"  # in the run folder: see Endpoints.write_stop_reason
 
+# The longest path a Unix-domain socket address may have (sockaddr_un.sun_path less its NUL): 107 bytes on Linux.
+IPC_PATH_MAX_LEN = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107
+
+
+def run_folder(longest_name: str) -> str:
+    """A new per-launch folder (mode 0700) for ipc sockets named up to `longest_name`: under the temporary folder
+    ($TMPDIR), or under /tmp when a socket path there would be longer than a socket address allows (a deep
+    $TMPDIR). Raises `OSError` if neither can hold it."""
+    run_dir = tempfile.mkdtemp(prefix="deltaserve-")
+    if len(os.fsencode(os.path.join(run_dir, longest_name))) <= IPC_PATH_MAX_LEN:
+        return run_dir
+    os.rmdir(run_dir)
+    run_dir = tempfile.mkdtemp(prefix="deltaserve-", dir="/tmp")
+    if len(os.fsencode(os.path.join(run_dir, longest_name))) > IPC_PATH_MAX_LEN:
+        os.rmdir(run_dir)
+        raise OSError(f"no folder for the engine's ipc sockets: {run_dir} is too deep for a socket address")
+    return run_dir
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -96,7 +114,7 @@ class Endpoints:
             for s in held.values():
                 s.close()
             raise
-        run_dir = tempfile.mkdtemp(prefix="deltaserve-")
+        run_dir = run_folder(max("scheduler_in", f"plans-{tp_size - 1}", key=len))
         if transport == "ipc":
             a = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
             addresses = [a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out")]

@@ -165,7 +165,7 @@ class EngineProcesses:
 
     def _spawn(self, name: str, module: str, *extra: str, pass_fds: tuple[int, ...] = (),
                env_extra: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **self.process_env(name)}
+        env = envs.absolute_paths({**os.environ, **self.process_env(name)})  # they run in REPO_ROOT, not our cwd
         env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.update(env_extra or {})  # e.g. the API key: not on a command line, which `ps` shows to everyone
         cmd = self.command(module, "--parent-pid", str(os.getpid()), *extra)

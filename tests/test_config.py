@@ -43,6 +43,16 @@ def test_missing_model_folder_is_refused(tmp_path: Path) -> None:
         EngineConfig(str(tmp_path / "no-such-model"))
 
 
+def test_relative_model_and_tokenizer_paths_are_kept_as_absolute_ones(model_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's processes start in the repository's folder: a path relative to the caller's must not travel."""
+    monkeypatch.chdir(model_dir)
+    cfg = EngineConfig(".", tokenizer=".")
+    assert cfg.model == cfg.tokenizer == model_dir
+    assert EngineConfig.from_json(cfg.to_json()).model == model_dir
+    assert cfg.served_model_names == ("tiny-qwen3",)  # the folder's name, not "."
+
+
 def test_folder_without_config_json_is_refused(tmp_path: Path) -> None:
     (tmp_path / "weights.safetensors").write_bytes(b"")
 

@@ -3,6 +3,7 @@ before the engine starts any process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,10 @@ from frontend.launcher import EngineProcesses
 from tests.test_config import write_checkpoint
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "NaN", "soon"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "NaN", "soon", "inf", "1e309"])
 def test_client_silence_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_CLIENT_SILENCE_S", value)
-    with pytest.raises(ValueError, match=r"DELTASERVE_CLIENT_SILENCE_S must be a number > 0 \(seconds\), got"):
+    with pytest.raises(ValueError, match=r"DELTASERVE_CLIENT_SILENCE_S must be a finite number > 0 \(seconds\), got"):
         envs.client_silence_s()
 
 
@@ -27,10 +28,10 @@ def test_client_silence_default_and_setting(monkeypatch: pytest.MonkeyPatch) -> 
     assert envs.client_silence_s() == 2.5
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "never"])
+@pytest.mark.parametrize("value", ["-1", "nan", "never", "inf"])
 def test_step_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", value)
-    with pytest.raises(ValueError, match="DELTASERVE_STEP_TIMEOUT_S must be a number >= 0"):
+    with pytest.raises(ValueError, match="DELTASERVE_STEP_TIMEOUT_S must be a finite number >= 0"):
         envs.step_timeout_s()
 
 
@@ -60,6 +61,31 @@ def test_a_blank_variable_means_its_default_for_every_kind(monkeypatch: pytest.M
     assert envs.client_silence_s() == 60.0
     assert envs.all_reduce_impl() == "auto"
     assert envs.check_invariants() is False
+    for name in ("DELTASERVE_API_KEY", "DELTASERVE_CACHE", "DELTASERVE_STEP_LOG_DIR"):  # text: no key, no folder
+        monkeypatch.setenv(name, value)
+    assert envs.api_key() is None
+    assert envs.step_log_dir() is None
+    assert envs.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "deltaserve")
+
+
+@pytest.mark.parametrize("value", ["inf", "1e309", "-inf", "nan"])
+def test_an_infinite_body_limit_is_refused_by_name_not_with_a_traceback(monkeypatch: pytest.MonkeyPatch,
+                                                                       value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_HTTP_MAX_BODY_MB", value)
+    with pytest.raises(ValueError, match=r"^DELTASERVE_HTTP_MAX_BODY_MB must be a finite number > 0 \(MiB\)"):
+        envs.check_all()
+
+
+def test_folder_variables_reach_the_engine_processes_as_absolute_paths(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher starts its processes in the repository's folder; a relative DELTASERVE_CACHE or
+    DELTASERVE_STEP_LOG_DIR means the caller's working directory."""
+    monkeypatch.chdir(tmp_path)
+    env = {"DELTASERVE_CACHE": "cache", "DELTASERVE_STEP_LOG_DIR": "./steps", "DELTASERVE_API_KEY": "k",
+           "OTHER": "x"}
+    assert envs.absolute_paths(env) == {**env, "DELTASERVE_CACHE": str(tmp_path / "cache"),
+                                        "DELTASERVE_STEP_LOG_DIR": str(tmp_path / "steps")}
+    assert envs.absolute_paths({"DELTASERVE_CACHE": "  "}) == {"DELTASERVE_CACHE": "  "}  # blank stays the default
 
 
 @pytest.mark.parametrize("value", ["-1", "2.5", "1e3", "eight", "\u00b2"])
@@ -114,7 +140,7 @@ def test_step_timeout_default_is_an_hour_on_cpu_and_five_minutes_on_gpus(monkeyp
 @pytest.mark.parametrize("value", ["-1", "nan", "later"])
 def test_scheduler_timeout_must_be_a_number_at_least_zero(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DELTASERVE_SCHEDULER_TIMEOUT_S", value)
-    with pytest.raises(ValueError, match="DELTASERVE_SCHEDULER_TIMEOUT_S must be a number >= 0"):
+    with pytest.raises(ValueError, match="DELTASERVE_SCHEDULER_TIMEOUT_S must be a finite number >= 0"):
         envs.scheduler_timeout_s()
 
 

@@ -13,10 +13,13 @@ from tests.conftest import REPO
 
 
 def run_latency(model: Path, out: Path, *args: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "DELTASERVE_STEP_LOG_DIR"}
+    tmp = out.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "DELTASERVE_STEP_LOG_DIR"} | {"TMPDIR": str(tmp)}
     subprocess.run([sys.executable, "benchmarks/latency.py", "--model", str(model), "--device", "cpu",
                     "--num-iters-warmup", "1", "--num-iters", "2", "--json", str(out), *args],
                    cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    assert not list(tmp.glob("deltaserve-latency-steps-*"))  # its own step-log folder is removed when it is done
     return json.loads(out.read_text())
 
 

@@ -84,16 +84,18 @@ def _step_count(log_dir: Path) -> int:
 @pytest.mark.parametrize("as_json", [False, True])
 def test_ctrl_c_prints_the_text_generated_so_far_and_says_it_was_interrupted(
         tiny_qwen3: Path, tmp_path: Path, as_json: bool) -> None:
-    env = {**os.environ, "DELTASERVE_STEP_LOG_DIR": str(tmp_path)}
+    """Run from another folder with a relative model path and step-log folder: both mean the caller's folder,
+    though the engine's processes start in the repository's."""
+    env = {**os.environ, "DELTASERVE_STEP_LOG_DIR": "steps"}
     launcher = subprocess.Popen(
-        [sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu", "--prompt", "Tell me a story",
-         "--max-tokens", "3000", "--ignore-eos", *(["--json"] if as_json else [])],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(REPO / "launch.py"), "--model", os.path.relpath(tiny_qwen3, tmp_path), "--device", "cpu",
+         "--prompt", "Tell me a story", "--max-tokens", "3000", "--ignore-eos", *(["--json"] if as_json else [])],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # as from a terminal, also when these tests run in the background (SIGINT ignored)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
-        while _step_count(tmp_path) < 4:  # the prefill and a few decode steps are done: tokens have streamed
+        while _step_count(tmp_path / "steps") < 4:  # the prefill and a few decode steps are done: tokens have streamed
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
             time.sleep(0.05)
         launcher.send_signal(signal.SIGINT)
