@@ -328,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
             where = [f"the OpenAI API on http://{args.host}:{args.http_port}/v1"] if http is not None else []
             if client_address is not None:
                 where.append(f"ZeroMQ clients on {engine.endpoints.client}")
-            print(f"deltaserve: serving {info['model']} ({model}) to {' and '.join(where)} "
+            print(f"deltaserve: serving {info['model']} ({config.model}) to {' and '.join(where)} "
                   f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}); "
                   "Ctrl-C to stop", flush=True)
             engine.wait()
             return 0
-        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({model})", file=sys.stderr)
+        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model})", file=sys.stderr)
         return run_prompts(engine, prompts, params, chat=args.chat or demo, as_json=args.json)
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)

@@ -419,6 +419,12 @@ def main() -> int:
     args = ap.parse_args()
     if not (args.model or args.demo_gguf or args.demo_model):
         ap.error("give --model and/or --demo-gguf / --demo-model")
+    for flag, path, exists in (("--model", args.model, os.path.isdir), ("--demo-model", args.demo_model, os.path.isdir),
+                               ("--demo-gguf", args.demo_gguf, os.path.isfile)):
+        if path is not None and not exists(path):
+            ap.error(f"{flag} {path!r} is not a {'file' if exists is os.path.isfile else 'folder'}")
+    if not 1 <= args.num_prompts <= NUM_PROMPTS:
+        ap.error(f"--num-prompts must be in 1..{NUM_PROMPTS}, got {args.num_prompts}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda (the default) needs a CUDA GPU; --device cpu --backends torch --dtype float32 checks "
                  "the script itself on a CPU")

@@ -32,14 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+from benchmarks.step_logs import run_main, step_log_folder  # noqa: E402
 
 DEFAULT_PROFILE_STEPS = "1200:1240"  # the engine numbers its steps from the start, warm-up iterations included
 
@@ -130,19 +130,11 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Start one engine, measure every batch size of `args.batch_size` on it in turn, return the numbers."""
-    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR", "").strip()
-    if step_dir:
-        return _run(args, step_dir)
-    step_dir = tempfile.mkdtemp(prefix="deltaserve-latency-steps-")  # ours: removed when done
-    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
-    try:
-        return _run(args, step_dir)
-    finally:
-        del os.environ["DELTASERVE_STEP_LOG_DIR"]
-        shutil.rmtree(step_dir, ignore_errors=True)
+    with step_log_folder("deltaserve-latency-steps-") as step_dir:  # $DELTASERVE_STEP_LOG_DIR, else a temporary one
+        return run_engine(args, step_dir)
 
 
-def _run(args: argparse.Namespace, step_dir: str) -> list[dict]:
+def run_engine(args: argparse.Namespace, step_dir: str) -> list[dict]:
     from deltaserve import LLM
 
     engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(*args.batch_size, 256),
@@ -241,4 +233,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

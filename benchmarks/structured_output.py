@@ -31,12 +31,12 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.grammar_libraries import SCHEMA_20_FIELDS, TOOL_CALL_SCHEMA  # noqa: E402
+from benchmarks.step_logs import run_main, step_log_folder  # noqa: E402
 from common.config import STRUCTURED_OUTPUTS_BACKENDS  # noqa: E402
 
 SCHEMAS = {"stress": {"type": "array", "items": SCHEMA_20_FIELDS, "minItems": 50},
@@ -105,9 +105,12 @@ def main() -> None:
     ap.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS))
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
-    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-steps-")
-    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
-    log_path = os.path.join(step_dir, "worker-tp0.jsonl")
+    with step_log_folder() as step_dir:  # $DELTASERVE_STEP_LOG_DIR (kept), else a temporary one
+        benchmark(args, os.path.join(step_dir, "worker-tp0.jsonl"))
+
+
+def benchmark(args: argparse.Namespace, log_path: str) -> None:
+    """Measure every backend of `args` (the worker's step log: `log_path`); print and with --json write the numbers."""
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(32)] for _ in range(args.num_seqs)]
     results: dict[str, object] = {"num_seqs": args.num_seqs, "max_tokens": args.max_tokens}
@@ -134,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -35,12 +35,12 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.proc_stats import EngineCPU, format_cpu  # noqa: E402
+from benchmarks.step_logs import run_main, step_log_folder  # noqa: E402
 from common.config import load_hf_config  # noqa: E402
 
 COPY_BANDWIDTH_TBS = 4.25  # measured device-to-device copy on an H200 (MISSION.md)
@@ -85,10 +85,12 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (README: Profiling)")
     ap.add_argument("--profile-steps", default=PROFILE_STEPS, help="with --profile-dir: the steps traced, A:B")
     args = ap.parse_args()
+    with step_log_folder() as step_dir:  # $DELTASERVE_STEP_LOG_DIR (kept for later analysis), else a temporary one
+        benchmark(args, step_dir)
 
-    # The per-step timing logs stay where DELTASERVE_STEP_LOG_DIR points, if set (for later analysis).
-    step_dir = os.environ.get("DELTASERVE_STEP_LOG_DIR") or tempfile.mkdtemp(prefix="deltaserve-steps-")
-    os.environ["DELTASERVE_STEP_LOG_DIR"] = step_dir
+
+def benchmark(args: argparse.Namespace, step_dir: str) -> None:
+    """Run the workload on one engine (its step logs in `step_dir`); print (and with --json write) the numbers."""
     from deltaserve import LLM, SamplingParams
 
     prompts, params = workload(args.num_seqs, filtered=args.filtered)
@@ -161,4 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

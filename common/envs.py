@@ -27,16 +27,20 @@ def _text(name: str) -> str | None:
     return raw if raw.strip() else None
 
 
-def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str) -> float:
+def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str,
+            maximum: float = math.inf) -> float:
     """The finite float in variable `name` (`default` when unset or blank), refused unless > `minimum` (or == with
-    `allow_minimum`). NaN, infinities and non-numbers are refused (NaN compares false with every bound)."""
+    `allow_minimum`) and <= `maximum`. NaN, infinities and non-numbers are refused (NaN compares false with every
+    bound)."""
     raw = _raw(name, default)
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not (value >= minimum if allow_minimum else value > minimum) or not math.isfinite(value):
+    if not (value >= minimum if allow_minimum else value > minimum) or not value <= maximum \
+            or not math.isfinite(value):
         bound = f"{'>=' if allow_minimum else '>'} {minimum:g}"
+        bound += f" and <= {maximum:.15g}" if maximum < math.inf else ""
         raise ValueError(f"{name} must be a finite number {bound} ({meaning}), got {raw!r}")
     return value
 
@@ -44,14 +48,14 @@ def _number(name: str, default: str, minimum: float, allow_minimum: bool, meanin
 def _whole_number(name: str, default: str, meaning: str) -> int:
     """The integer >= 0 in variable `name` (`default` when unset or blank), written in decimal digits."""
     raw = _raw(name, default)
-    if not (raw.strip().isascii() and raw.strip().isdigit()):
-        raise ValueError(f"{name} must be a whole number >= 0 ({meaning}), got {raw!r}")
+    if not (raw.strip().isascii() and raw.strip().isdigit()) or len(raw.strip()) > 18:  # int() stops at 4300 digits
+        raise ValueError(f"{name} must be a whole number >= 0 ({meaning}), got {raw[:40]!r}")
     return int(raw)
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     """The value of variable `name` (`default` when unset or blank), refused unless one of `choices`."""
-    value = _raw(name, default)
+    value = _raw(name, default).strip()
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value
@@ -77,9 +81,16 @@ PATH_VARIABLES = ("DELTASERVE_CACHE", "DELTASERVE_STEP_LOG_DIR")
 
 
 def absolute_paths(env: dict[str, str]) -> dict[str, str]:
-    """`env` with each non-blank `PATH_VARIABLES` entry made absolute against this process's working directory."""
+    """`env` with each non-blank `PATH_VARIABLES` entry made absolute against this process's working directory
+    (`~` expanded, as the shell does not inside quotes)."""
     return {**env, **{name: os.path.abspath(os.path.expanduser(env[name])) for name in PATH_VARIABLES
                       if env.get(name, "").strip()}}
+
+
+def _folder(name: str) -> str | None:
+    """The folder path in variable `name`, absolute (`~` expanded); None when unset or blank."""
+    path = _text(name)
+    return os.path.abspath(os.path.expanduser(path)) if path else None
 
 
 def usable_folder(path: str, what: str) -> str:
@@ -97,7 +108,7 @@ def usable_folder(path: str, what: str) -> str:
 def cache_dir() -> str:
     """DELTASERVE_CACHE: where the demo model and downloaded test assets are kept (~/.cache/deltaserve).
     Created if missing; `ValueError` if it cannot be."""
-    path = _text("DELTASERVE_CACHE")
+    path = _folder("DELTASERVE_CACHE")
     return usable_folder(path, "DELTASERVE_CACHE") if path else os.path.join(os.path.expanduser("~"), ".cache",
                                                                              "deltaserve")
 
@@ -113,7 +124,7 @@ def step_log_dir() -> str | None:
     """DELTASERVE_STEP_LOG_DIR: every process appends one JSON line of timing per step to
     `<dir>/<process name>.jsonl` (scheduler: planning; workers: input preparation, device time,
     device idle time before the step). Created if missing; `ValueError` if it cannot be."""
-    path = _text("DELTASERVE_STEP_LOG_DIR")
+    path = _folder("DELTASERVE_STEP_LOG_DIR")
     return usable_folder(path, "DELTASERVE_STEP_LOG_DIR") if path else None
 
 
@@ -223,7 +234,10 @@ def api_key() -> str | None:
 def http_max_body_bytes() -> int:
     """DELTASERVE_HTTP_MAX_BODY_MB: the largest HTTP request body accepted, in MiB (default 16; larger bodies
     get a 413 before they are read)."""
-    return int(_number("DELTASERVE_HTTP_MAX_BODY_MB", "16", 0.0, allow_minimum=False, meaning="MiB") * (1 << 20))
+    mib = _number("DELTASERVE_HTTP_MAX_BODY_MB", "16", 0.0, allow_minimum=False, meaning="MiB", maximum=1 << 20)
+    if mib * (1 << 20) < 1:
+        raise ValueError(f"DELTASERVE_HTTP_MAX_BODY_MB must allow at least 1 byte (1 MiB = 1048576 bytes), got {mib!r}")
+    return int(mib * (1 << 20))
 
 
 def check_all() -> None:

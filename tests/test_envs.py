@@ -68,12 +68,41 @@ def test_a_blank_variable_means_its_default_for_every_kind(monkeypatch: pytest.M
     assert envs.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "deltaserve")
 
 
-@pytest.mark.parametrize("value", ["inf", "1e309", "-inf", "nan"])
+@pytest.mark.parametrize("value", ["inf", "1e309", "1e308", "-inf", "nan", "1048577"])
 def test_an_infinite_body_limit_is_refused_by_name_not_with_a_traceback(monkeypatch: pytest.MonkeyPatch,
                                                                        value: str) -> None:
     monkeypatch.setenv("DELTASERVE_HTTP_MAX_BODY_MB", value)
-    with pytest.raises(ValueError, match=r"^DELTASERVE_HTTP_MAX_BODY_MB must be a finite number > 0 \(MiB\)"):
+    with pytest.raises(ValueError, match=r"^DELTASERVE_HTTP_MAX_BODY_MB must be a finite number > 0 and <= 1048576 "
+                                         r"\(MiB\), got"):
         envs.check_all()
+
+
+def test_a_body_limit_under_one_byte_is_refused_and_the_largest_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTASERVE_HTTP_MAX_BODY_MB", "1e-7")  # 0.1 byte: every request would get a 413
+    with pytest.raises(ValueError, match="^DELTASERVE_HTTP_MAX_BODY_MB must allow at least 1 byte"):
+        envs.http_max_body_bytes()
+    monkeypatch.setenv("DELTASERVE_HTTP_MAX_BODY_MB", "1048576")
+    assert envs.http_max_body_bytes() == 1 << 40
+
+
+def test_a_whole_number_too_long_for_int_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTASERVE_GEMV_MAX_BATCH", "9" * 5000)  # int() itself refuses over 4300 digits, unnamed
+    with pytest.raises(ValueError, match=r"^DELTASERVE_GEMV_MAX_BATCH must be a whole number >= 0 .*got '9{40}'$"):
+        envs.gemv_max_batch()
+
+
+def test_choices_and_folders_are_read_as_a_user_means_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spaces around a choice do not matter (as for the flags); `~` in a quoted folder path is the home folder
+    (the shell leaves it alone inside quotes); a relative folder is the caller's."""
+    monkeypatch.setenv("DELTASERVE_ALL_REDUCE", " nccl ")
+    assert envs.all_reduce_impl() == "nccl"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DELTASERVE_CACHE", "~/cache")
+    assert envs.cache_dir() == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DELTASERVE_STEP_LOG_DIR", "steps")
+    assert envs.step_log_dir() == str(tmp_path / "steps")
+    assert not (tmp_path / "~").exists()
 
 
 def test_folder_variables_reach_the_engine_processes_as_absolute_paths(tmp_path: Path,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.gpu_correctness import check_logprobs_close, failed_run, our_runs
 from tests.conftest import REPO
@@ -96,3 +97,16 @@ def test_the_gate_script_runs_both_gates_and_writes_a_verdict(tiny_qwen3_trained
     assert fp8_vs_plain["top_k"] == 8 and fp8_vs_plain["pass"] is (fp8_vs_plain["rule_ok"] == 4)
     verdict = "all gates pass" if proc.returncode == 0 else "FAILED"
     assert verdict in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-folder"], "--model 'no-such-folder' is not a folder"),
+    (["--demo-model", ".", "--num-prompts", "33"], "--num-prompts must be in 1..32, got 33"),
+    (["--demo-model", ".", "--device", "cuda"], "--device cuda (the default) needs a CUDA GPU"),
+])
+def test_the_gate_script_refuses_bad_arguments_in_one_line(args: list[str], message: str) -> None:
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_correctness.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

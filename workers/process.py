@@ -135,6 +135,9 @@ class WorkerProcess:
                     self._finish(pending)
                 return
             assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
+            if pending is not None and pending.event is None:  # computed in full by execute (CPU): running the next
+                self._finish(pending)  # step before sending it would hold its tokens back a whole step
+                pending = None
             launched = self.runner.execute(msg)  # None for a plan with no rows (only finished ids)
             compiles = self.compile_watch.take()
             if launched is not None and compiles:
