@@ -455,6 +455,7 @@ class _StubStep:
         self.runner = runner
         self.logprobs = self.prompt_logprobs = None
         self.failed: dict[int, str] = {}
+        self.event = object()  # a device step (GPU): its result overlaps the next step's launch
 
     def ready(self) -> bool:
         return self.runner.num_plans >= 2  # the device is still busy when the next plan arrives
