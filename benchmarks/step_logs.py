@@ -14,6 +14,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
+from common import envs
+
 VARIABLE = "DELTASERVE_STEP_LOG_DIR"
 
 
@@ -26,8 +28,9 @@ def step_log_folder(prefix: str = "deltaserve-steps-") -> Iterator[str]:
     Ctrl-C or SIGTERM (turned into `SystemExit(143)` inside the block, so that clean-up runs).
     """
     given = os.environ.get(VARIABLE)
-    if given and given.strip():
-        yield os.path.abspath(os.path.expanduser(given))
+    kept = envs.step_log_dir()  # the engine's own reading of the variable: absolute, made if missing
+    if kept is not None:
+        yield kept
         return
     folder = tempfile.mkdtemp(prefix=prefix)
     os.environ[VARIABLE] = folder

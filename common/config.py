@@ -120,9 +120,9 @@ class EngineConfig:
                                   or not all(isinstance(n, str) and n.strip() for n in names)):
             raise ConfigError(f"served_model_name must be a non-empty name or list of names, got {names!r}")
         object.__setattr__(self, "served_model_name", None if names is None else tuple(names))
-        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            raise ConfigError(f"tokenizer folder {self.tokenizer!r} does not exist")
         if self.tokenizer is not None:
+            if not os.path.isdir(self.tokenizer):
+                raise ConfigError(f"tokenizer folder {self.tokenizer!r} does not exist")
             object.__setattr__(self, "tokenizer", os.path.abspath(os.fspath(self.tokenizer)))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

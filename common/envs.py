@@ -23,8 +23,7 @@ def _raw(name: str, default: str) -> str:
 
 def _text(name: str) -> str | None:
     """The text of variable `name`; None when it is unset or blank (only spaces included)."""
-    raw = os.environ.get(name, "")
-    return raw if raw.strip() else None
+    return _raw(name, "") or None
 
 
 def _number(name: str, default: str, minimum: float, allow_minimum: bool, meaning: str,
@@ -80,17 +79,20 @@ def _flag(name: str, default: bool = False) -> bool:
 PATH_VARIABLES = ("DELTASERVE_CACHE", "DELTASERVE_STEP_LOG_DIR")
 
 
+def _absolute(path: str) -> str:
+    """`path` against this process's working directory, `~` expanded (the shell leaves it inside quotes)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def absolute_paths(env: dict[str, str]) -> dict[str, str]:
-    """`env` with each non-blank `PATH_VARIABLES` entry made absolute against this process's working directory
-    (`~` expanded, as the shell does not inside quotes)."""
-    return {**env, **{name: os.path.abspath(os.path.expanduser(env[name])) for name in PATH_VARIABLES
-                      if env.get(name, "").strip()}}
+    """`env` with each non-blank `PATH_VARIABLES` entry made absolute (`_absolute`)."""
+    return {**env, **{name: _absolute(env[name]) for name in PATH_VARIABLES if env.get(name, "").strip()}}
 
 
 def _folder(name: str) -> str | None:
-    """The folder path in variable `name`, absolute (`~` expanded); None when unset or blank."""
+    """The folder path in variable `name`, absolute (`_absolute`); None when unset or blank."""
     path = _text(name)
-    return os.path.abspath(os.path.expanduser(path)) if path else None
+    return _absolute(path) if path else None
 
 
 def usable_folder(path: str, what: str) -> str:
@@ -235,9 +237,10 @@ def http_max_body_bytes() -> int:
     """DELTASERVE_HTTP_MAX_BODY_MB: the largest HTTP request body accepted, in MiB (default 16; larger bodies
     get a 413 before they are read)."""
     mib = _number("DELTASERVE_HTTP_MAX_BODY_MB", "16", 0.0, allow_minimum=False, meaning="MiB", maximum=1 << 20)
-    if mib * (1 << 20) < 1:
+    limit = int(mib * (1 << 20))
+    if limit < 1:
         raise ValueError(f"DELTASERVE_HTTP_MAX_BODY_MB must allow at least 1 byte (1 MiB = 1048576 bytes), got {mib!r}")
-    return int(mib * (1 << 20))
+    return limit
 
 
 def check_all() -> None:

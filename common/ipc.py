@@ -114,11 +114,12 @@ class Endpoints:
             for s in held.values():
                 s.close()
             raise
-        run_dir = run_folder(max("scheduler_in", f"plans-{tp_size - 1}", key=len))
+        names = ["client", "control", "frontend_in", "scheduler_in", "worker_out"]
+        plan_names = [f"plans-{r}" for r in range(tp_size)]
+        run_dir = run_folder(max(names + plan_names, key=len))
         if transport == "ipc":
-            a = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
-            addresses = [a("client"), a("control"), a("frontend_in"), a("scheduler_in"), a("worker_out")]
-            plans = tuple(a(f"plans-{r}") for r in range(tp_size))
+            addresses = [f"ipc://{run_dir}/{name}" for name in names]
+            plans = tuple(f"ipc://{run_dir}/{name}" for name in plan_names)
         return cls(*addresses, plans, dist_init, run_dir, listen_fds={a: s.fileno() for a, s in held.items()},
                    held=tuple(held.values()))
 

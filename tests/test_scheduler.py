@@ -455,34 +455,44 @@ class _StubStep:
         self.runner = runner
         self.logprobs = self.prompt_logprobs = None
         self.failed: dict[int, str] = {}
-        self.event = object()  # a device step (GPU): its result overlaps the next step's launch
+        # A device step (GPU) has an event: its result overlaps the next step's launch. A CPU step has none: it is
+        # done when `execute` returns.
+        self.event = object() if runner.on_device else None
 
     def ready(self) -> bool:
-        return self.runner.num_plans >= 2  # the device is still busy when the next plan arrives
+        return self.event is None or self.runner.num_plans >= 2  # the device is busy when the next plan arrives
 
 
 class _StubRunner:
+    on_device = True
+
     def __init__(self, *args: object, **kwargs: object) -> None:  # ModelRunner(config, rank, ..., report_grammar=)
         self.num_plans = 0
         self.finalized: list[int] = []
+        self.calls: list[tuple[str, int]] = []  # ("execute" | "send", step id), in order
 
     def execute(self, plan: StepPlan) -> _StubStep | None:
         self.num_plans += 1
+        self.calls.append(("execute", plan.step_id))
         return _StubStep(plan.step_id, self) if plan.step_id >= 0 else None
 
     def finalize(self, step: _StubStep) -> np.ndarray:
         self.finalized.append(step.step_id)
+        self.calls.append(("send", step.step_id))
         return np.zeros(1, dtype=np.int32)
 
 
-def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan with no rows (only finished ids) after a launched step: that step's result goes out once.
+class _StubCPURunner(_StubRunner):
+    on_device = False
 
-    The scheduler sends such a plan whenever a request stops while another step is in flight.
-    """
+
+def _run_worker_loop(monkeypatch: pytest.MonkeyPatch, runner: type[_StubRunner],
+                     plans_to_send: list[StepPlan]) -> tuple[_StubRunner, list[int]]:
+    """Queue `plans_to_send` and a shutdown, run rank 0's step loop over them with a stub `runner`; returns the
+    runner and the step ids of the results it sent."""
     import workers.process as worker_process
 
-    monkeypatch.setattr(worker_process, "ModelRunner", _StubRunner)
+    monkeypatch.setattr(worker_process, "ModelRunner", runner)
     endpoints = ipc.Endpoints.create(1)
     ctx = zmq.Context.instance()
     plans = ipc.make_socket(ctx, zmq.PUSH, endpoints.plans[0], bind=True)
@@ -491,8 +501,8 @@ def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeyp
     config = SimpleNamespace(device="cpu", tensor_parallel_size=1, profile_dir=None)
     worker = worker_process.WorkerProcess(config, endpoints, 0)  # type: ignore[arg-type]
     try:
-        ipc.send(plans, StepPlan(step_id=0, decode_seq_ids=i32([3])))
-        ipc.send(plans, StepPlan(step_id=-1, finished_seq_ids=i32([4])))
+        for plan in plans_to_send:
+            ipc.send(plans, plan)
         time.sleep(0.1)
         ipc.send(plans, worker_process.Shutdown("test"))
         worker.serve()
@@ -503,6 +513,28 @@ def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeyp
         for sock in (worker.control, worker.plans, worker.results, plans, results):
             sock.close()
         endpoints.cleanup()
+    return worker.runner, sent
 
-    assert worker.runner.finalized == [0]
+
+def test_worker_loop_sends_each_step_result_once_when_a_plan_has_no_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan with no rows (only finished ids) after a launched step: that step's result goes out once.
+
+    The scheduler sends such a plan whenever a request stops while another step is in flight.
+    """
+    runner, sent = _run_worker_loop(monkeypatch, _StubRunner, [StepPlan(step_id=0, decode_seq_ids=i32([3])),
+                                                               StepPlan(step_id=-1, finished_seq_ids=i32([4]))])
+    assert runner.finalized == [0]
     assert sent == [0]
+
+
+def test_worker_loop_sends_a_cpu_step_before_the_next_runs_and_a_gpu_step_after_the_next_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step's result overlaps the next step's launch; a CPU step is computed in full by `execute`, so running
+    the next one first would only hold its tokens back a whole step (a fresh user saw CPU tokens come in pairs)."""
+    plans = [StepPlan(step_id=i, decode_seq_ids=i32([3])) for i in range(3)]
+    runner, sent = _run_worker_loop(monkeypatch, _StubCPURunner, plans)
+    assert runner.calls == [("execute", 0), ("send", 0), ("execute", 1), ("send", 1), ("execute", 2), ("send", 2)]
+    assert sent == [0, 1, 2]
+    runner, sent = _run_worker_loop(monkeypatch, _StubRunner, plans)
+    assert runner.calls == [("execute", 0), ("execute", 1), ("send", 0), ("execute", 2), ("send", 1), ("send", 2)]
+    assert sent == [0, 1, 2]
