@@ -172,7 +172,7 @@ def test_scheduler_stats_count_running_waiting_blocks_and_prefix_hits() -> None:
 def test_an_engine_error_has_the_status_of_whose_fault_it_is(error_type: str | None, status: int,
                                                               code: str | None) -> None:
     from common.protocol import RequestOutput
-    from frontend.openai.routes import engine_error
+    from frontend.openai.serving import engine_error
 
     out = RequestOutput("r", finished=True, finish_reason="error", error="the engine is overloaded: ...",
                         error_type=error_type)

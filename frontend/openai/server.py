@@ -1,6 +1,6 @@
 """The HTTP server process (`python -m frontend.openai`, started by the launcher as http-0, http-1, ...).
 
-One uvicorn server (FastAPI app of `routes.py`) per process, on a listening socket the launcher opened
+One uvicorn server (FastAPI app of `app.py`) per process, on a listening socket the launcher opened
 before loading the model and handed down (`--http-fd`): several processes (`--api-server-count`) accept
 on the same socket, and the kernel spreads connections over them. Each talks to the frontend as one
 ZeroMQ client (`AsyncEngineClient`).
@@ -42,7 +42,8 @@ from common.proc import engine_process_main
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
 from frontend.launcher import TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
-from frontend.openai.routes import ServerState, build_app, version
+from frontend.openai.app import build_app, version
+from frontend.openai.serving import ServerState
 
 log = logging.getLogger("deltaserve.http")
 GRACEFUL_SHUTDOWN_S = 3.0
