@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile-dir", default=None,
-                    help="profile the run into this folder (README: Profiling); a profiled run is slower")
+                    help="profile the run into this folder (docs/profiling.md); a profiled run is slower")
     ap.add_argument("--profile-steps", default=None, metavar="A:B",
                     help=f"with --profile-dir: trace the engine's steps A..B-1 (default {DEFAULT_PROFILE_STEPS}: the "
                          "third iteration of a batch-1 run of 512 output tokens, after two warm-up iterations)")

@@ -1,6 +1,6 @@
 """Where a benchmark's engine writes its per-step timing logs, and running a benchmark's main until Ctrl-C.
 
-Every engine process appends one JSON line per step to `$DELTASERVE_STEP_LOG_DIR/<process>.jsonl` (README:
+Every engine process appends one JSON line per step to `$DELTASERVE_STEP_LOG_DIR/<process>.jsonl` (docs/profiling.md,
 "Timing without a profile"); the benchmarks read the worker's lines for device time and idle time.
 """
 

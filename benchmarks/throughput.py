@@ -17,7 +17,7 @@ the tokens are the same count, so the two runs compare directly.
     python benchmarks/throughput.py --model DIR --kv-cache-dtype fp8
     python benchmarks/throughput.py --model DIR --profile-dir D [--profile-steps 200:240]
 
-With `--profile-dir` the run is profiled (README "Profiling"): steps 200..239 by default, 40 decode steps
+With `--profile-dir` the run is profiled (docs/profiling.md): steps 200..239 by default, 40 decode steps
 at the full batch of 256 (the warm-up and the prompts' prefill take about the first 100 step ids);
 D/summary.txt then gives the device's idle gaps between those steps from the trace beside the step log's
 figure over the same steps. A profiled run is slower while it traces: take throughput from an
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--filtered", action="store_true",
                     help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
-    ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (README: Profiling)")
+    ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (docs/profiling.md)")
     ap.add_argument("--profile-steps", default=PROFILE_STEPS, help="with --profile-dir: the steps traced, A:B")
     args = ap.parse_args()
     with step_log_folder() as step_dir:  # $DELTASERVE_STEP_LOG_DIR (kept for later analysis), else a temporary one

@@ -54,7 +54,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float | None = None  # fixed KV-cache size; CPU default 1 GiB
     enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 16, and max_num_seqs
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0  # in [0, 2**63), the range of a request's seed

@@ -18,20 +18,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def readme_section(name: str) -> str:
-    """"README.md, <section>": the section of the repository's README that first mentions `name` (just "README.md"
-    where the file or the name is not found)."""
+def docs_section(name: str) -> str:
+    """"docs/configuration.md, <section>": the section of the configuration reference whose table has a row for
+    `name` (just "docs/configuration.md" where the file or the row is not found)."""
     section = None
     try:
-        with open(Path(__file__).resolve().parents[1] / "README.md", encoding="utf-8") as f:
+        with open(Path(__file__).resolve().parents[1] / "docs" / "configuration.md", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("## "):
                     section = line[3:].strip()
-                elif name in line:
-                    return f"README.md, {section}" if section else "README.md"
+                elif line.startswith(f"| `{name}` |"):
+                    return f"docs/configuration.md, {section}" if section else "docs/configuration.md"
     except OSError:
         pass
-    return "README.md"
+    return "docs/configuration.md"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -44,8 +44,8 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        # A bad environment variable is not among the options --help lists: point at README's section on it.
-        where = readme_section(message.split()[0]) if message.startswith("DELTASERVE_") else "see --help"
+        # A bad environment variable is not among the options --help lists: point at its row in the docs.
+        where = docs_section(message.split()[0]) if message.startswith("DELTASERVE_") else "see --help"
         self.exit(2, f"{self.prog}: error: {message} ({where})\n")
 
     def option_error(self, message: str) -> NoReturn:

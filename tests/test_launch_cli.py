@@ -156,23 +156,23 @@ def test_missing_or_corrupt_weights_are_one_line_naming_the_file(
     assert re.fullmatch(f"error: worker-tp0: {expected}; the engine was shut down", line), line
 
 
-def test_a_bad_environment_variable_is_one_line_pointing_to_the_readme_not_to_help(tiny_qwen3: Path) -> None:
-    """--help lists options, not environment variables: a bad DELTASERVE_* value points at README's list."""
+def test_a_bad_environment_variable_is_one_line_pointing_to_the_docs_not_to_help(tiny_qwen3: Path) -> None:
+    """--help lists options, not environment variables: a bad DELTASERVE_* value points at docs/configuration.md."""
     env = {**os.environ, "DELTASERVE_GEMV_MAX_BATCH": "abc"}
     result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--prompt", "hi"], cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert result.stderr.endswith("error: DELTASERVE_GEMV_MAX_BATCH must be a whole number >= 0 (rows; 0 = off), "
-                                  "got 'abc' (README.md, Engine settings)\n"), result.stderr
+                                  "got 'abc' (docs/configuration.md, Environment variables)\n"), result.stderr
     assert result.stderr.count("\n") == 1
 
 
-def test_a_bad_environment_variable_points_to_the_readme_section_that_documents_it() -> None:
-    from frontend.cli import readme_section
+def test_a_bad_environment_variable_points_to_the_docs_section_that_documents_it() -> None:
+    from frontend.cli import docs_section
 
-    assert readme_section("DELTASERVE_CLIENT_SILENCE_S") == "README.md, Using it"
-    assert readme_section("DELTASERVE_HTTP_MAX_BODY_MB") == "README.md, The OpenAI-compatible HTTP server"
-    assert readme_section("DELTASERVE_NO_SUCH_VARIABLE") == "README.md"
+    assert docs_section("DELTASERVE_CLIENT_SILENCE_S") == "docs/configuration.md, Environment variables"
+    assert docs_section("DELTASERVE_HTTP_MAX_BODY_MB") == "docs/configuration.md, Environment variables"
+    assert docs_section("DELTASERVE_NO_SUCH_VARIABLE") == "docs/configuration.md"
 
 
 def test_a_ctrl_c_wrapped_by_a_class_body_still_counts_as_a_ctrl_c() -> None:
