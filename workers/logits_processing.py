@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from workers.host_buffers import to_device
 from workers.layers.fused import fused
 from workers.structured_output import apply_bitmask
 
@@ -257,14 +258,6 @@ def _upload_packed(arrays: dict[str, np.ndarray], dtype: type, device: torch.dev
         out[name] = dev[offset: offset + len(a)]
         offset += len(a)
     return out
-
-
-def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without waiting for the device (an asynchronous copy on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 class PenaltyState:
