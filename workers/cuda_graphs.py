@@ -49,6 +49,8 @@ class CUDAGraphRunner:
         self.graph_inputs: dict[str, torch.Tensor] = {}
 
     def batch_sizes(self) -> list[int]:
+        """The batch sizes captured, ascending: `cuda_graph_sizes`, or 1, 2, 4, 8, the multiples of 16 and
+        `max_num_seqs`; none above `max_num_seqs`."""
         cfg = self.config
         sizes = cfg.cuda_graph_sizes or (1, 2, 4, 8, *range(16, cfg.max_num_seqs + 1, 16))
         return sorted({s for s in sizes if s <= cfg.max_num_seqs} | ({cfg.max_num_seqs} if not cfg.cuda_graph_sizes

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deltaserve.worker")
 GiB = 1 << 30
 
+
 def kv_bytes_per_block(attn_layers: list, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of the cache: the keys and values of `block_size` tokens in every layer."""
     layer = attn_layers[0]

@@ -83,6 +83,9 @@ class PendingStep:
 
 
 class ModelRunner:
+    """One rank's model, KV cache and persistent batch, and the parts of a step it holds: `sampling`
+    (workers/sampling_step.py), `cuda_graphs` (workers/cuda_graphs.py) and two `HostBuffers`."""
+
     def __init__(self, config: EngineConfig, rank: int, dist_init: str, dist_listen_fd: int = -1,
                  report_grammar: Callable[[GrammarCompiled], None] | None = None) -> None:
         """`report_grammar`: where the compile thread sends each `GrammarCompiled` (from that thread)."""
@@ -135,6 +138,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block on this rank (all layers, keys and values)."""
         return kv_bytes_per_block(self.attn_layers, self.block_size, self.kv_cache_dtype)
 
     def device_name(self) -> str:

@@ -1,9 +1,9 @@
 """One request on a worker (`ReqState`), and what its sampling options ask of a step.
 
 It sits below the persistent batch (workers/input_batch.py, which owns the states) and logits processing
-(workers/logits_processing.py, which reads them): both import it, and neither needs the other for the type.
-A request's options are classified once, when its state is made: whether its rows take the
-processed path, whether it keeps token counts for penalties, its dense parameters and whether it has sparse ones.
+(workers/logits_processing.py, which reads them): both import it, so neither imports the other for it. A
+request's options are classified once, when its state is made: whether its rows take the processed path,
+whether it keeps token counts for penalties, its dense parameters, and whether it has sparse ones.
 """
 
 from __future__ import annotations
