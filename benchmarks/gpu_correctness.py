@@ -194,7 +194,7 @@ def runner_greedy(model_dir: str, prompts: list[list[int]], backend: str, eager:
             captured.append(logits.float())
             return self.sampler(logits, *args, **kwargs)
 
-    runner.sampler = Capture(runner.sampler)
+    runner.sampling.sampler = Capture(runner.sampling.sampler)
     starts = np.cumsum([0, *blocks_needed])
     plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32(range(starts[i], starts[i + 1])), 0,
                                                   len(p)) for i, p in enumerate(prompts)])]
@@ -205,7 +205,7 @@ def runner_greedy(model_dir: str, prompts: list[list[int]], backend: str, eager:
     for plan in plans:
         step = runner.execute(plan)
         if not captured:  # sampled inside the decode graph: the same LM head on the graph's hidden states
-            captured.append(runner.model.compute_logits(runner.graphs[n][1][:n]).float())
+            captured.append(runner.model.compute_logits(runner.cuda_graphs.graphs[n][1][:n]).float())
         sampled = runner.finalize(step)
         logits = captured.pop()
         if plan.step_id == 0:

@@ -109,7 +109,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     pipelined_ms = (time.perf_counter() - t0) / n * 1e3
     if args.host_profile:
         host_profile(runner, decode, say)
-    graph, out = runner.graphs[b]
+    graph, out = runner.cuda_graphs.graphs[b]
     forward_ms = cuda_ms(graph.replay)
     idle_launch, busy_launch = [], []  # host time of graph.replay() on an idle device, and behind another replay
     for _ in range(20):
@@ -125,21 +125,22 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     logits_ms = cuda_ms(lambda: runner.model.compute_logits(hidden))
     logits = runner.model.compute_logits(hidden)
     temps = torch.full((b,), args.temperature, device=logits.device)
-    sample_ms = cuda_ms(lambda: runner.sampler(logits, temps, all_greedy=False))
-    greedy_ms = cuda_ms(lambda: runner.sampler(logits, torch.zeros_like(temps), all_greedy=True))
+    sampler, processor = runner.sampling.sampler, runner.sampling.processor
+    sample_ms = cuda_ms(lambda: sampler(logits, temps, all_greedy=False))
+    greedy_ms = cuda_ms(lambda: sampler(logits, torch.zeros_like(temps), all_greedy=True))
     states = [runner.batch.reqs[i] for i in range(b)]
-    processing = build_processing(states, np.full(b, args.temperature, np.float32), runner.processor.vocab_size)
+    processing = build_processing(states, np.full(b, args.temperature, np.float32), processor.vocab_size)
 
     @torch.inference_mode()  # the penalty counts are inference tensors: updated in place only under it
     def processed_sampling() -> None:
         """What a step does for processed rows: upload, gather, the pipeline, the sampler, logprobs, counts."""
-        d = runner.processor.upload(processing)
-        x = gather_vocabulary(logits[d.i["rows"]], runner.processor.vocab_size, runner.model.lm_head.rows_per_rank)
-        x = runner.processor.apply(x, d, runner.last_sampled)
-        tokens = runner.sampler(logits, temps, False, None,
-                                ProcessedRows(d.i["rows"], processing.rows, x, d.f["sample_temperatures"], True))
-        runner.processor.record_sampled(d, tokens)
-        runner.processor.logprobs(x, d, tokens)
+        d = processor.upload(processing)
+        x = gather_vocabulary(logits[d.i["rows"]], processor.vocab_size, runner.model.lm_head.rows_per_rank)
+        x = processor.apply(x, d, runner.last_sampled)
+        tokens = sampler(logits, temps, False, None,
+                         ProcessedRows(d.i["rows"], processing.rows, x, d.f["sample_temperatures"], True))
+        processor.record_sampled(d, tokens)
+        processor.logprobs(x, d, tokens)
 
     filtered_ms = cuda_ms(processed_sampling) if processing is not None else None
     say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}"
@@ -175,7 +176,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     # Inside a graph the kernels still run one after another: their sum against the replay's time above is the
     # share lost to launch gaps and ramps between kernels.
     kernel_table("model forward as a CUDA graph", graph.replay, 25)
-    runner.graphs.clear()  # profile the eager step: every kernel is visible
+    runner.cuda_graphs.graphs.clear()  # profile the eager step: every kernel is visible
     one_step()
     kernel_table("eager decode step", one_step, 25)
 

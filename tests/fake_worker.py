@@ -46,7 +46,8 @@ from common.protocol import (
     i32,
 )
 from scheduler_proc.scheduler import Scheduler, SchedulerConfig
-from workers.input_batch import InputBatch, ReqState
+from workers.input_batch import InputBatch
+from workers.request_state import ReqState
 
 VOCAB_SIZE = 50_000
 

@@ -103,11 +103,11 @@ def test_cuda_graph_padding_rows_never_touch_real_requests(tiny_qwen3_hd64: Path
     results = {}
     for poisoned in (False, True):
         runner = _runner(tiny_qwen3_hd64, enforce_eager=False, backend=backend)
-        assert runner.graphs, "graphs were not captured"
+        assert runner.cuda_graphs.graphs, "graphs were not captured"
         tokens = []
         for plan in plans:
             if poisoned:  # everything a padding row could use points at request 0's blocks
-                g = runner.graph_inputs
+                g = runner.cuda_graphs.graph_inputs
                 with torch.inference_mode():  # the graph's buffers are inference tensors
                     g["block_tables"][3:, :4] = torch.tensor(blocks[0], dtype=torch.int32, device="cuda")
                     g["input_ids"][3:] = 12345
@@ -130,7 +130,7 @@ def test_batches_larger_than_the_largest_graph_run_eagerly(tiny_qwen3: Path) -> 
     plan = StepPlan(0, new_requests=[NewRequest(i, i32(p), 0.0, None, i32([i]), 0, len(p))
                                      for i, p in enumerate(prompts)])
     runner.finalize(runner.execute(plan))
-    runner.graphs.pop(8)  # only the batch-4 graph is left
+    runner.cuda_graphs.graphs.pop(8)  # only the batch-4 graph is left
     step = runner.execute(StepPlan(1, decode_seq_ids=i32(range(8))))
     tokens = runner.finalize(step)
     assert step.timings["graph"] == 0 and len(tokens) == 8 and np.all(tokens >= 0)
@@ -195,9 +195,9 @@ def test_sampling_in_the_decode_graph_draws_the_tokens_of_eager_sampling(tiny_qw
         runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
         runner.allocate_kv_cache(64)
         runner.capture_cuda_graphs()
-        assert set(runner.sample_graphs) == {1, 4, 8}
+        assert set(runner.cuda_graphs.sample_graphs) == {1, 4, 8}
         if not in_graph:
-            runner.sample_graphs.clear()
+            runner.cuda_graphs.sample_graphs.clear()
         tokens, pending = [], None
         for plan in plans:  # pipelined as the worker runs them: step N+1 launched before N is finalized
             step = runner.execute(plan)
@@ -236,7 +236,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_qwen3: Path, monkeypa
         runner.allocate_kv_cache(64)
         runner.capture_cuda_graphs()
         tokens = [runner.finalize(runner.execute(plan)).tolist() for plan in plans]
-        results[on] = (tokens, runner.graphs[batch][1][:batch].float().cpu(), runner.kv_cache.float().cpu())
+        results[on] = (tokens, runner.cuda_graphs.graphs[batch][1][:batch].float().cpu(), runner.kv_cache.float().cpu())
         del runner
         torch.cuda.empty_cache()
     pdl._requested.cache_clear()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.protocol import SamplingOptions
-from workers.input_batch import ReqState
 from workers.logits_processing import TOPK_CANDIDATES, LogitsProcessor, build_processing
+from workers.request_state import ReqState
 from workers.sampler import ProcessedRows, Sampler
 
 CPU = torch.device("cpu")

@@ -23,25 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.host_buffers import TORCH_DTYPES, aligned
 from workers.input_batch import StepInputs
 
 # (name, dtype) of the per-row inputs, in buffer order; each holds max_bs entries.
 FIELDS = (("input_ids", np.int64), ("src_rows", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
           ("logits_indices", np.int64), ("sampling_rows", np.int64), ("seeds", np.int64),
           ("seq_lens", np.int32), ("temperatures", np.float32))
-TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                np.dtype(np.float32): torch.float32}
-# Bytes: every input packed into one buffer (here, and a step's eager inputs in model_runner.HostBuffers) starts at
-# a multiple. Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so the views must be
-# aligned alike at every batch: at 8 bytes their alignment changed with the step's sizes, and each new combination
-# compiled the prefill and sampling kernels anew mid-run (steps of 0.4-1.9 s on the H200, 6 s of a 12.9 s
-# reference run; benchmarks/RESULTS.md, 2026-12-02 third session).
-PACK_ALIGN = 16
-
-
-def aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to a multiple of PACK_ALIGN."""
-    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
 
 
 @dataclass

@@ -28,51 +28,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.protocol import SamplingOptions, StepPlan
-from common.sampling_params import GREEDY_TEMPERATURE
-from workers.logits_processing import (
-    ProcessingInputs,
-    PromptLogprobsInputs,
-    build_processing,
-    has_sparse_parameters,
-    is_processed,
-    parameter_row,
-    uses_penalties,
-)
+from common.protocol import StepPlan
+from workers.logits_processing import ProcessingInputs, PromptLogprobsInputs, build_processing
+from workers.request_state import ReqState
 
 if TYPE_CHECKING:
     from workers.structured_output import RequestGrammar
-
-
-class ReqState:
-    """One request on a worker."""
-
-    __slots__ = ("seq_id", "row", "tokens", "num_tokens", "num_tokens_cpu", "num_computed", "num_blocks",
-                 "temperature", "seed", "active", "num_prompt_tokens", "options", "processed", "penalized",
-                 "prompt_logprobs_next", "parameter_row", "sparse", "grammar")
-
-    def __init__(self, seq_id: int, temperature: float, seed: int | None,
-                 options: SamplingOptions | None = None) -> None:
-        self.seq_id = seq_id
-        self.row: int | None = None
-        self.tokens = np.zeros(0, dtype=np.int32)  # its row of InputBatch.token_ids, or a private copy while preempted
-        self.num_tokens = 0  # prompt + sampled, including a token still being copied to the host
-        self.num_tokens_cpu = 0  # leading entries of `tokens` that hold real ids
-        self.num_computed = 0  # tokens whose KV is written (or being written by a launched step)
-        self.num_blocks = 0
-        self.temperature = 0.0 if temperature < GREEDY_TEMPERATURE else temperature
-        self.seed = seed
-        self.active = True  # False once finished: a late sampled token is dropped
-        self.num_prompt_tokens = 0
-        self.options = options
-        self.processed = is_processed(options)  # its logits go through workers/logits_processing.py
-        self.penalized = uses_penalties(options)  # it keeps token counts on the device
-        self.parameter_row = parameter_row(options) if options is not None else ()
-        self.sparse = options is not None and has_sparse_parameters(options)
-        # The next prompt token whose logprob is reported (prompt_logprobs); each is reported once, also
-        # when a preempted request computes its prompt again.
-        self.prompt_logprobs_next = 1
-        self.grammar: RequestGrammar | None = None  # its structured-output matcher, at its tokens on the host
 
 
 @dataclass

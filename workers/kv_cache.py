@@ -1,4 +1,13 @@
-"""The KV cache's element type: the model's dtype, or fp8 (float8 e4m3fn) with one scale per layer
+"""The paged KV cache: its size (`num_kv_blocks`), its one tensor (`allocate_kv_cache`), copy-on-write of a
+block (`copy_fork_blocks`), and its element type (below).
+
+The cache is one tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values), of which
+each attention layer holds its `k_cache` and `v_cache` slices. On a GPU its size is what is left of
+`gpu_memory_utilization` of the card after the weights, the peak activations of a warm-up step at the largest
+batch (the model runner measures it) and the memory outside torch; on a CPU, `kv_cache_memory_gb` (1 GiB by
+default), refused beyond the host's available memory.
+
+The element type: the model's dtype, or fp8 (float8 e4m3fn) with one scale per layer
 for the keys and one for the values (`kv_cache_dtype="fp8"`, vLLM's name; "auto" is the model's dtype).
 
 An fp8 element holds `e4m3(x / scale)`, 1 byte instead of 2 (bf16) or 4 (fp32), so the same memory
@@ -31,14 +40,148 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from common.errors import ExplainedError
+from common.units import count, format_bytes
 from workers.attention.base import AttentionMetadata
+from workers.host_buffers import to_device
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig
+    from workers.request_state import ReqState
 
 log = logging.getLogger("deltaserve.worker")
+GiB = 1 << 30
 
+
+def kv_bytes_per_block(attn_layers: list, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of the cache: the keys and values of `block_size` tokens in every layer."""
+    layer = attn_layers[0]
+    per_token = 2 * len(attn_layers) * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+def allocate_kv_cache(attn_layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """One zeroed tensor `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]` of `dtype`, bound to
+    `attn_layers`: layer i's `k_cache` and `v_cache` are its slices `[0, i]` and `[1, i]`."""
+    layer = attn_layers[0]
+    kv_cache = torch.zeros(2, len(attn_layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                           dtype=dtype, device=device)
+    for i, attn in enumerate(attn_layers):
+        attn.k_cache = kv_cache[0, i]
+        attn.v_cache = kv_cache[1, i]
+    return kv_cache
+
+
+def release_kv_cache(attn_layers: list) -> None:
+    """Unbind the layers from their cache (empty tensors), so that the cache's memory can be freed."""
+    for attn in attn_layers:
+        attn.k_cache = attn.v_cache = torch.empty(0)
+
+
+def copy_fork_blocks(kv_cache: torch.Tensor | None, block_table: np.ndarray, forks: list[tuple[ReqState, ReqState]],
+                     block_size: int, device: torch.device) -> None:
+    """Copy-on-write of n > 1: each fork's copy of its parent's last, partial prompt block gets that
+    block's KV (all layers), which the forward just wrote. Full prompt blocks are shared, not copied.
+    `block_table`: the batch's `[max_num_seqs, max_blocks]` int32 table; `forks`: (fork, parent) states."""
+    bs = block_size
+    src, dst = [], []
+    table = block_table
+    for fork, parent in forks:
+        n = parent.num_prompt_tokens
+        if n % bs:
+            src.append(int(table[parent.row, n // bs]))
+            dst.append(int(table[fork.row, n // bs]))
+    if src and kv_cache is not None:
+        s, d = to_device(np.array(src, np.int64), device), to_device(np.array(dst, np.int64), device)
+        kv_cache[:, :, d] = kv_cache[:, :, s]
+
+
+def prefill_batch(lens: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions `[T]` int64 (T = sum of `lens`) and prefill metadata of fresh sequences of `lens` tokens, for the
+    passes before the cache exists (the fp8 calibration, the memory profile): sequence i in blocks
+    `i * width .. (i + 1) * width - 1`, width the blocks of the longest, `len(lens) * width` blocks in all."""
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
+    bs = block_size
+    width = -(-max(lens) // bs)
+    tables = (np.arange(len(lens))[:, None] * width + np.arange(width)[None, :]).astype(np.int32)
+    seq_index = np.repeat(np.arange(len(lens)), lens)
+    slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+    dev = device
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(dev), query_start_loc=torch.from_numpy(qsl).to(dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=torch.from_numpy(tables).to(dev),
+        max_query_len=max(lens), max_seq_len=max(lens), is_decode=False,
+        query_start_loc_cpu=qsl, seq_lens_cpu=np.array(lens, dtype=np.int32))
+    return torch.from_numpy(positions).to(dev), meta
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations (MemAvailable of /proc/meminfo), or None
+    where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def num_kv_blocks(cfg: EngineConfig, per_block: int, device: torch.device, rank: int,
+                  profile_peak_memory: Callable[[], int]) -> int:
+    """Blocks this rank can hold: forced (`num_kvcache_blocks`), from a fixed budget, or measured on the GPU.
+
+    `per_block`: bytes of one block (`kv_bytes_per_block`). On a GPU, `profile_peak_memory()` runs a warm-up step
+    at the largest batch and returns its peak activation bytes; the cache gets `gpu_memory_utilization` of the
+    card minus weights, activations and memory outside torch (CUDA context, NCCL). Raises `ExplainedError` when
+    one block exceeds the CPU budget, the CPU cache exceeds the host's available memory, or the forced number of
+    blocks does not fit the GPU.
+    """
+    if device.type == "cpu":
+        budget = (cfg.kv_cache_memory_gb or 1.0) * GiB
+        if not cfg.num_kvcache_blocks and budget < per_block:
+            raise ExplainedError(f"one KV block ({count(cfg.block_size, 'token')}, {format_bytes(per_block)}) is "
+                                 f"larger than the CPU KV-cache budget of {format_bytes(budget)}: lower "
+                                 "--block-size or raise --kv-cache-memory-gb")
+        num_blocks = cfg.num_kvcache_blocks or int(budget // per_block)
+        available = host_memory_available()
+        if available is not None and num_blocks * per_block > available:
+            size = format_bytes(num_blocks * per_block)
+            raise ExplainedError(f"a KV cache of {count(num_blocks, 'block')} ({size}) does not fit in this "
+                                 f"host's available memory ({format_bytes(available)}): lower "
+                                 "--kv-cache-memory-gb or --num-kvcache-blocks")
+        return num_blocks
+    peak_activations = profile_peak_memory()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
+    weights = torch.cuda.memory_allocated(device)
+    if cfg.kv_cache_memory_gb is not None:
+        budget = cfg.kv_cache_memory_gb * GiB
+    else:
+        budget = total * cfg.gpu_memory_utilization - non_torch - weights - peak_activations
+    capacity = max(0, int(budget // per_block))
+    log.info("rank %d memory: total %.1f GiB, weights %.2f GiB, peak activations %.2f GiB, other %.2f GiB "
+             "-> room for %d KV blocks", rank, total / GiB, weights / GiB, peak_activations / GiB,
+             non_torch / GiB, capacity)
+    if cfg.num_kvcache_blocks:
+        if cfg.num_kvcache_blocks > capacity:
+            raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has "
+                                 f"room for {count(capacity, 'block')} of {format_bytes(per_block)}")
+        return cfg.num_kvcache_blocks
+    return capacity
+
+
+# ============================================================================ fp8
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448.0
 CALIBRATION_SEQS = 2
@@ -86,21 +229,10 @@ def calibration_batch(vocab_size: int, max_model_len: int, block_size: int,
     """(input_ids `[T]` int64, positions `[T]` int64, prefill metadata, cache blocks needed) of the
     calibration prefill: `CALIBRATION_SEQS` fresh sequences, each in its own blocks."""
     seq_len = min(CALIBRATION_LEN, max_model_len)
-    lens = [seq_len] * CALIBRATION_SEQS
-    width = -(-seq_len // block_size)
-    tables = np.arange(CALIBRATION_SEQS * width, dtype=np.int32).reshape(CALIBRATION_SEQS, width)
-    positions = np.tile(np.arange(seq_len, dtype=np.int64), CALIBRATION_SEQS)
-    seq_index = np.repeat(np.arange(CALIBRATION_SEQS), seq_len)
-    slots = tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    qsl = np.arange(CALIBRATION_SEQS + 1, dtype=np.int32) * seq_len
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device), query_start_loc=torch.from_numpy(qsl).to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_tables=torch.from_numpy(tables).to(device),
-        max_query_len=seq_len, max_seq_len=seq_len, is_decode=False, query_start_loc_cpu=qsl,
-        seq_lens_cpu=np.array(lens, dtype=np.int32))
+    positions, meta = prefill_batch([seq_len] * CALIBRATION_SEQS, block_size, device)
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
     input_ids = torch.randint(0, vocab_size, (CALIBRATION_SEQS * seq_len,), generator=generator)
-    return input_ids.to(device), torch.from_numpy(positions).to(device), meta, CALIBRATION_SEQS * width
+    return input_ids.to(device), positions, meta, CALIBRATION_SEQS * -(-seq_len // block_size)
 
 
 def prepare_fp8_kv_cache(model: torch.nn.Module, attn_layers: list, backend_name: str, vocab_size: int,
@@ -108,8 +240,6 @@ def prepare_fp8_kv_cache(model: torch.nn.Module, attn_layers: list, backend_name
                          rank: int = 0) -> None:
     """Set every attention layer's `k_scale` and `v_scale` for an fp8 KV cache, measured by
     `calibrate_kv_scales`. Raises `ExplainedError` when this device or backend cannot run one."""
-    from common.errors import ExplainedError
-
     why = fp8_unsupported_reason(device, backend_name)
     if why is not None:
         raise ExplainedError(f"an fp8 KV cache cannot run here: {why}")
@@ -132,18 +262,14 @@ def calibrate_kv_scales(model: torch.nn.Module, attn_layers: list, vocab_size: i
     from workers.parallel import tp_size
 
     input_ids, positions, meta, num_blocks = calibration_batch(vocab_size, max_model_len, block_size, device)
-    layer = attn_layers[0]
-    cache = torch.zeros(2, len(attn_layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                        dtype=dtype, device=device)
-    for i, attn in enumerate(attn_layers):
-        attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
+    cache = allocate_kv_cache(attn_layers, num_blocks, block_size, dtype, device)
+    for attn in attn_layers:
         attn.k_scale = attn.v_scale = 1.0
     try:
         model(input_ids, positions, meta)
         amax = cache.abs().amax(dim=(2, 3, 4, 5)).float()  # [2, num_layers]: keys, values
     finally:
-        for attn in attn_layers:
-            attn.k_cache = attn.v_cache = torch.empty(0)
+        release_kv_cache(attn_layers)
     if tp_size() > 1:
         import torch.distributed as dist
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint's *.safetensors into a model, shard by shard.
+"""Load a Hugging Face checkpoint into a model: on which device, in which dtype, and its *.safetensors
+shard by shard.
 
 Each checkpoint tensor is routed to a parameter; names listed in the model's
 `packed_modules_mapping` (q_proj -> qkv_proj shard "q", gate_proj -> gate_up_proj shard 0, ...)
@@ -12,16 +13,63 @@ word. Every tensor's shape is therefore checked against the shape config.json im
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from common.config import ConfigError
+from common.config import ConfigError, EngineConfig
+from common.errors import ExplainedError
+from workers.models import MODEL_REGISTRY
 from workers.models.llama import head_dim_of
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Within it, floating-point tensors made without a dtype are of `dtype`."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    """"auto" -> cuda:<rank mod device count> when CUDA is available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ExplainedError("device 'cuda' was requested but CUDA is not available")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
+    """"auto": the checkpoint's 16-bit dtype on GPUs (bfloat16 if it declares none), float32 on CPU."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    declared = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    declared = getattr(torch, declared) if isinstance(declared, str) else declared
+    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model(config: EngineConfig, hf_config: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`config.architecture` built on `device` with parameters of `dtype`, its weights loaded from `config.model`
+    (`load_weights`, whose errors it raises), in eval mode."""
+    with torch.device(device), default_dtype(dtype):
+        model = MODEL_REGISTRY[config.architecture](hf_config, config.max_model_len)
+    model.to(device)  # buffers built on the host (rope tables)
+    load_weights(model, config.model, hf_config)
+    return model.eval()
 
 
 def expected_shape(name: str, hf_config: Any) -> tuple[int, ...] | None:

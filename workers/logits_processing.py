@@ -44,32 +44,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common.protocol import SamplingOptions
+from workers.host_buffers import to_device
 from workers.layers.fused import fused
 from workers.structured_output import apply_bitmask
 
 if TYPE_CHECKING:
-    from workers.input_batch import ReqState
+    from workers.request_state import ReqState
     from workers.structured_output import RequestGrammar
 
 TOPK_CANDIDATES = 1024  # rows with a top-k up to this take their candidates from torch.topk, not a full sort
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose full-vocabulary logits exist at once
 NEG_INF = float("-inf")
-
-
-def is_processed(options: SamplingOptions | None) -> bool:
-    """Whether a request with these options takes the processed path (anything beyond temperature)."""
-    if options is None:
-        return False
-    o = options
-    return bool(o.grammar_id >= 0 or o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 or uses_penalties(o)
-                or o.logit_bias or o.bad_words or o.min_tokens > 0 or o.logprobs >= 0)
-
-
-def uses_penalties(options: SamplingOptions | None) -> bool:
-    """Whether the request needs token counts (repetition, frequency or presence penalty)."""
-    return options is not None and (options.repetition_penalty != 1.0 or options.frequency_penalty != 0.0
-                                    or options.presence_penalty != 0.0)
 
 
 # ============================================================================ host side
@@ -102,18 +87,6 @@ class ProcessingInputs:
     uses_frequency_presence: bool = False
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [G] indices into R, constrained
     grammars: list[RequestGrammar] = field(default_factory=list)  # [G] their matchers (the bitmask is filled later)
-
-
-def parameter_row(options: SamplingOptions) -> tuple[float, ...]:
-    """A request's per-row parameters, computed once: (top_k, top_p, min_p, repetition, frequency, presence,
-    logprobs); `build_processing` stacks these rows."""
-    o = options
-    return (o.top_k, o.top_p, o.min_p, o.repetition_penalty, o.frequency_penalty, o.presence_penalty, o.logprobs)
-
-
-def has_sparse_parameters(options: SamplingOptions) -> bool:
-    """Whether the request adds (row, token) entries: a logit bias, bad words or min_tokens."""
-    return bool(options.logit_bias or options.bad_words or options.min_tokens > 0)
 
 
 def build_processing(states: list[ReqState], temperatures: np.ndarray, vocab_size: int,
@@ -285,14 +258,6 @@ def _upload_packed(arrays: dict[str, np.ndarray], dtype: type, device: torch.dev
         out[name] = dev[offset: offset + len(a)]
         offset += len(a)
     return out
-
-
-def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without waiting for the device (an asynchronous copy on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 class PenaltyState:

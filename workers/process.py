@@ -39,7 +39,8 @@ from common.protocol import (
     i32,
 )
 from workers.compile_watch import CompileWatch
-from workers.model_runner import ModelRunner, PendingStep, resolve_device
+from workers.loader import resolve_device
+from workers.model_runner import ModelRunner, PendingStep
 from workers.parallel import destroy_tensor_parallel, peer_loss_explained
 
 log = logging.getLogger("deltaserve.worker")
@@ -90,7 +91,7 @@ class WorkerProcess:
             r.capture_cuda_graphs()
             r.compile_sampling()
         self.compile_watch.install()
-        ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.graphs)}))
+        ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.cuda_graphs.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
                                                                       "cpu_threads": self.cpu_threads}))
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.logits_processing import to_device
+from workers.host_buffers import to_device
 from workers.parallel import all_gather, tp_size
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
@@ -117,7 +117,7 @@ class Sampler:
                    ) -> np.ndarray | None:
         """The `[n]` int64 noise seeds a call with these rows' `temperatures` (`[n]` float32, on the host) would
         draw, drawn now (None when every row is greedy: nothing is drawn). For a caller that runs the fused kernel
-        itself (a decode step's sampling graph, workers/model_runner.py): the generator advances exactly as a
+        itself (a decode step's sampling graph, workers/cuda_graphs.py): the generator advances exactly as a
         call would, so a step samples the same tokens either way."""
         return None if not (temperatures > 0).any() else self._draw(n, seeded_rows)
 

@@ -39,11 +39,12 @@ class CountingSampler:
 
 
 def with_graph_stand_ins(runner: ModelRunner, sizes: list[int]) -> ModelRunner:
-    runner.make_graph_inputs(max(sizes))
+    graphs = runner.cuda_graphs
+    graphs.make_graph_inputs(max(sizes))
     for bs in sizes:
         out = torch.zeros(bs, runner.hf_config.hidden_size, dtype=runner.dtype)
-        runner.graphs[bs] = (ReplayAgain(lambda bs=bs, out=out: out.copy_(runner._graph_forward(bs))), out)
-        runner.sample_graphs[bs] = ReplayAgain(lambda bs=bs, out=out: runner._sample_in_graph(out, bs))
+        graphs.graphs[bs] = (ReplayAgain(lambda bs=bs, out=out: out.copy_(graphs.forward(bs))), out)
+        graphs.sample_graphs[bs] = ReplayAgain(lambda bs=bs, out=out: graphs.sample(out, bs))
     return runner
 
 
@@ -76,12 +77,14 @@ def test_the_graph_path_decodes_the_tokens_of_the_eager_path(tiny_qwen3: Path) -
     with torch.inference_mode():
         eager = run(make_runner(cfg), plans)
         runner = with_graph_stand_ins(make_runner(cfg), [4])
-        runner.sampler = CountingSampler(runner.sampler)
+        runner.sampling.sampler = CountingSampler(runner.sampling.sampler)
         graph_steps: list[int] = []
         graphed = run(runner, plans, graph_steps)
-    assert graph_steps == [1, 2, 3, 4, 5, 6] and runner.sampler.calls == 1  # the prefill's: the rest in "graphs"
+    assert graph_steps == [1, 2, 3, 4, 5, 6]
+    assert runner.sampling.sampler.calls == 1  # the prefill's: the rest in "graphs"
     assert graphed == eager
-    assert runner.graph_inputs["sampling_rows"][3] == cfg.max_num_seqs  # the padding row sampled into scratch
+    # The padding row sampled into scratch.
+    assert runner.cuda_graphs.graph_inputs["sampling_rows"][3] == cfg.max_num_seqs
 
 
 def test_rows_with_logits_processing_sample_eagerly_after_the_forward_graph(tiny_qwen3: Path) -> None:
@@ -99,8 +102,8 @@ def test_rows_with_logits_processing_sample_eagerly_after_the_forward_graph(tiny
         eager_runner = make_runner(cfg)
         eager = run(eager_runner, plans)
         runner = with_graph_stand_ins(make_runner(cfg), [2])
-        runner.sampler = CountingSampler(runner.sampler)
+        runner.sampling.sampler = CountingSampler(runner.sampling.sampler)
         graph_steps: list[int] = []
         graphed = run(runner, plans, graph_steps)
-    assert graph_steps == [1, 2, 3, 4, 5] and runner.sampler.calls == 6  # every step sampled eagerly
+    assert graph_steps == [1, 2, 3, 4, 5] and runner.sampling.sampler.calls == 6  # every step sampled eagerly
     assert graphed == eager

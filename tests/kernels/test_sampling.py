@@ -254,8 +254,8 @@ def test_rows_processed_by_the_filters_sample_only_their_kept_tokens_in_proporti
     import numpy as np
 
     from common.protocol import SamplingOptions
-    from workers.input_batch import ReqState
     from workers.logits_processing import LogitsProcessor, build_processing
+    from workers.request_state import ReqState
 
     torch.manual_seed(7)
     vocab, n = (50, 4000) if DEVICE == "cuda" else (12, 600)
