@@ -479,7 +479,7 @@ def decode_field_by_field(data: bytes) -> Any:
     """What `decode` gave before its checks were compiled: every field checked with its path."""
     _, name, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
     cls = protocol.MESSAGE_TYPES[name]
-    return protocol._checked_build(cls, values, name)
+    return protocol.codec._checked_build(cls, values, name)
 
 
 def outcome(decoder: Any, data: bytes) -> Any:
