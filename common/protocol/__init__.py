@@ -12,7 +12,7 @@ Modules, one per socket (each message's docstring says who sends it to whom):
   `ProtocolError`.
 - `launcher`: start-up and shutdown (process ready or failed, the KV-cache hand-shake, `Shutdown`).
 - `client`: client <-> frontend (`Submit`, `RequestOutputs`, `Abort`, engine info and stats, tokenize,
-  detokenize, `Ping` / `Pong`, which also serve as heartbeats on the internal sockets).
+  detokenize, `Ping` / `Pong`; `Ping` is also the heartbeat of the internal sockets).
 - `scheduler`: frontend <-> scheduler (`AddRequests`, `AbortSeqs`, `StepOutputs`).
 - `worker`: scheduler <-> workers (`StepPlan`, `StepResult`, the grammar compilations).
 - `profiling`: profiling sessions (client -> frontend -> scheduler -> workers).

@@ -2,8 +2,8 @@
 their outputs, and the questions a client may ask (engine info, stats, tokenize, detokenize, ping).
 
 A client is `EngineClient`, `LLM`, or an HTTP server process (`frontend/openai/`, through
-`AsyncEngineClient`); all speak these messages. Token ids here are plain lists (a client need not have
-numpy), text is what the tokenizer decodes, times are in seconds.
+`AsyncEngineClient`); all speak these messages. Token ids here are plain lists of ints, text is what the
+tokenizer decodes, times are in seconds.
 """
 
 from __future__ import annotations
