@@ -11,7 +11,7 @@ server to the client by the server's public key; the server authenticates the cl
   variable DELTASERVE_CURVE_KEYS (never the command line, which any local user can read in `ps`).
   Workers bind no socket, so they never hold the server's secret key.
 - Every bound internal tcp socket admits only the processes that send to or receive from it
-  (`Endpoints.allowed_peers`): a peer without one of those keys fails the handshake and never
+  (`common.ipc.Endpoints.allowed_peers`): a peer without one of those keys fails the handshake and never
   exchanges a message, whatever it sends.
 - The client port may use CURVE too (`launch.py --client-key`): its own server key pair, and any
   client that knows its public key, or only those listed (`--client-allowed-keys`).
@@ -28,14 +28,11 @@ import logging
 import os
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-
-if TYPE_CHECKING:
-    from common.ipc import Endpoints
 
 log = logging.getLogger("deltaserve.curve")
 ENV_VAR = "DELTASERVE_CURVE_KEYS"
@@ -111,7 +108,22 @@ class CurveKeys:
         sock.curve_secretkey = server.secret.encode()
 
 
-def launch_keys(endpoints: Endpoints, processes: list[str], client_port: CurveServer | None = None,
+class LaunchAddresses(Protocol):
+    """What `launch_keys` reads of a launch's addresses: `common.ipc.Endpoints` has it. Declared here, so
+    that this module needs none of ours (ipc builds its sockets with these keys)."""
+
+    @property
+    def client(self) -> str: ...  # the client port's address
+
+    @property
+    def dist_init(self) -> str: ...  # torch.distributed's rendezvous: not a ZeroMQ socket, never CURVE
+
+    def bound_by(self, process: str) -> list[str]: ...  # the addresses `process` binds
+
+    def allowed_peers(self, http_servers: int = 0) -> dict[str, tuple[str, ...]]: ...  # address -> who connects
+
+
+def launch_keys(endpoints: LaunchAddresses, processes: list[str], client_port: CurveServer | None = None,
                 served_client: bool = False, http_servers: int = 0) -> dict[str, CurveKeys]:
     """Fresh keys for one launch: process name ("launcher", "frontend", "scheduler", "worker-tp<r>",
     "http-<i>") -> its `CurveKeys`. Each bound internal tcp address admits only its peers

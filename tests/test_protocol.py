@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
+import struct
 import types
 import typing
+from pathlib import Path
 from typing import Any, Union
 
 import msgpack
@@ -23,6 +26,7 @@ from common.protocol import (
     Float32Array,
     GenerateRequest,
     Int32Array,
+    Logprobs,
     NewBlocks,
     NewRequest,
     Ping,
@@ -98,6 +102,13 @@ def example_message(cls: type, salt: int = 1) -> Any:
     return cls(**{f.name: example(f, i) for i, f in enumerate(dataclasses.fields(cls))})
 
 
+def required_fields_only(cls: type, salt: int = 3) -> Any:
+    """An instance of `cls` with its required fields set (as `example_value` makes them), the rest at their defaults."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: example_value(hints[f.name], salt)
+                  for f in dataclasses.fields(cls) if field_default(f) is dataclasses.MISSING})
+
+
 def assert_same_message(actual: Any, expected: Any, where: str = "message") -> None:
     """Field-by-field equality, with int32 arrays compared by value and dtype, and exact types."""
     if isinstance(expected, np.ndarray):
@@ -162,10 +173,7 @@ def test_every_message_type_round_trips_with_every_field_set(name: str) -> None:
 
 @pytest.mark.parametrize("name", MESSAGE_NAMES)
 def test_every_message_type_round_trips_with_its_defaults(name: str) -> None:
-    cls = protocol.MESSAGE_TYPES[name]
-    required = typing.get_type_hints(cls)
-    msg = cls(**{f.name: example_value(required[f.name], 3)
-                 for f in dataclasses.fields(cls) if field_default(f) is dataclasses.MISSING})
+    msg = required_fields_only(protocol.MESSAGE_TYPES[name])
 
     assert_same_message(decode(encode(msg)), msg)
 
@@ -226,6 +234,66 @@ def test_union_fields_keep_the_first_type_that_fits() -> None:
     assert type(decoded.metrics["num_preemptions"]) is int and type(decoded.metrics["ttft_s"]) is float
     with pytest.raises(ProtocolError, match="metrics"):
         decode(encode(RequestOutputs([RequestOutput("r1", metrics={"x": "slow"})])))
+
+
+# ============================================================================ the bytes of protocol version 1
+# Recorded once from the single-module protocol (see "about" in the file): the package must write the same bytes.
+WIRE_BYTES_V1 = json.loads((Path(__file__).parent / "data" / "wire_bytes_v1.json").read_text(encoding="utf-8"))
+
+
+def le_i32(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def le_f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def test_the_recorded_bytes_cover_every_message_type_of_this_version() -> None:
+    assert WIRE_BYTES_V1["protocol_version"] == PROTOCOL_VERSION
+    assert sorted(WIRE_BYTES_V1["every_field"]) == sorted(WIRE_BYTES_V1["required_only"]) == MESSAGE_NAMES
+
+
+@pytest.mark.parametrize("name", MESSAGE_NAMES)
+def test_every_message_type_encodes_to_the_recorded_bytes_and_decodes_them(name: str) -> None:
+    cls = protocol.MESSAGE_TYPES[name]
+    for kind, msg in (("every_field", example_message(cls)), ("required_only", required_fields_only(cls))):
+        recorded = bytes.fromhex(WIRE_BYTES_V1[kind][name])
+
+        assert encode(msg) == recorded, f"{name} ({kind}) no longer encodes to the bytes of protocol version 1"
+        assert_same_message(decode(recorded), msg, f"{name} ({kind})")
+
+
+def test_a_ping_is_eight_bytes_of_msgpack() -> None:
+    assert encode(Ping(7)) == b"\x93\x01\xa4Ping\x07"  # fixarray of 3: version 1, fixstr "Ping", nonce 7
+    assert encode(Ping()) == b"\x92\x01\xa4Ping"  # the nonce at its default is left off
+
+
+def test_a_step_plan_is_the_array_of_its_fields_up_to_the_last_one_set() -> None:
+    plan = StepPlan(7, new_requests=[NewRequest(3, i32([151644, 872]), 0.5, None, i32([9]), 0, 2)],
+                    decode_seq_ids=i32([4, 5]), new_blocks=[NewBlocks(4, i32([10, 11]))])
+
+    # NewRequest without its options, StepPlan without finished / preempted ids and forks: all at their defaults.
+    expected = pack(PROTOCOL_VERSION, "StepPlan", 7, [[3, le_i32(151644, 872), 0.5, None, le_i32(9), 0, 2]], [],
+                    b"", b"", le_i32(4, 5), [[4, le_i32(10, 11)]])
+    assert encode(plan) == expected
+
+
+def test_a_step_result_with_logprobs_carries_them_as_int32_and_float32_bin() -> None:
+    result = StepResult(9, i32([11, 12]), {"gpu_ms": 1.5},
+                        Logprobs(i32([1]), i32([1]), i32([2]), f32([-0.25]), i32([1]), i32([12, 13]), f32([-0.25, -2])))
+
+    expected = pack(PROTOCOL_VERSION, "StepResult", 9, le_i32(11, 12), {"gpu_ms": 1.5},
+                    [le_i32(1), le_i32(1), le_i32(2), le_f32(-0.25), le_i32(1), le_i32(12, 13), le_f32(-0.25, -2)])
+    assert encode(result) == expected
+
+
+def test_a_submission_carries_each_request_up_to_its_last_field_set() -> None:
+    submit = Submit([GenerateRequest("r1", prompt="hi", stream=True), GenerateRequest("r2", prompt_token_ids=[5])],
+                    all_or_nothing=True)
+
+    expected = pack(PROTOCOL_VERSION, "Submit", [["r1", "hi", None, None, {}, True], ["r2", None, [5]]], True)
+    assert encode(submit) == expected
 
 
 # ============================================================================ encode
@@ -479,7 +547,7 @@ def decode_field_by_field(data: bytes) -> Any:
     """What `decode` gave before its checks were compiled: every field checked with its path."""
     _, name, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
     cls = protocol.MESSAGE_TYPES[name]
-    return protocol._checked_build(cls, values, name)
+    return protocol.codec._checked_build(cls, values, name)
 
 
 def outcome(decoder: Any, data: bytes) -> Any:
@@ -631,8 +699,6 @@ def test_options_travel_once_and_only_the_fields_a_request_sets() -> None:
 
 @pytest.mark.parametrize("num_top", [0, 5, 20])
 def test_a_sampled_position_with_logprobs_costs_20_plus_8_n_bytes(num_top: int) -> None:
-    from common.protocol import Logprobs
-
     def result(rows: int) -> StepResult:
         return StepResult(1, i32(range(300)), {}, Logprobs(
             i32(range(rows)), i32([1] * rows), i32([num_top] * rows), f32([-0.5] * rows), i32([2] * rows),

@@ -1,0 +1,253 @@
+"""Client <-> frontend (a client's DEALER socket to the frontend's ROUTER, `Endpoints.client`): requests,
+their outputs, and the questions a client may ask (engine info, stats, tokenize, detokenize, ping).
+
+A client is `EngineClient`, `LLM`, or an HTTP server process (`frontend/openai/`, through
+`AsyncEngineClient`); all speak these messages. Token ids here are plain lists of ints, text is what the
+tokenizer decodes, times are in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from common.protocol.codec import wire_message, wire_struct
+from common.protocol.types import SchedulerStats
+
+
+@wire_struct
+class GenerateRequest:
+    """One prompt. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str  # chosen by the client, unique among its live requests
+    prompt: str | None = None  # encoded as tokenizer(prompt) would
+    prompt_token_ids: list[int] | None = None  # [prompt_len], run as given
+    messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the chat template
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    stream: bool = False  # True: an output per step; False: one output when finished
+    # For `messages` only (transformers' apply_chat_template arguments, vLLM's names and defaults):
+    add_generation_prompt: bool = True  # end the text with the opening of the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, for the model to continue it
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
+    add_special_tokens: bool | None = None  # None: True for `prompt` (as tokenizer() does), False for `messages`
+    # Refuse the request when prompt + max_tokens exceeds max_model_len, instead of stopping it there with
+    # finish reason "length": the OpenAI server's rule for a max_tokens the client gave (vLLM answers 400).
+    max_tokens_within_context: bool = False
+
+
+NOT_RUN = "not run: "  # the error of a valid request of an all-or-nothing submission that another one sank
+
+
+@wire_message
+class Submit:
+    """Client -> frontend: new requests. With `all_or_nothing`, one invalid request rejects all: the valid ones end
+    with an error starting with `NOT_RUN` that names the one rejected first."""
+
+    requests: list[GenerateRequest]  # request ids unique among this client's live requests
+    all_or_nothing: bool = False
+
+
+@wire_message
+class Abort:
+    """Client -> frontend: stop these requests (finish reason "abort")."""
+
+    request_ids: list[str]  # this client's; unknown or finished ids are ignored
+
+
+@wire_message
+class GetEngineInfo:
+    """Client -> frontend: ask for `EngineInfo`."""
+
+
+@wire_message
+class EngineInfo:
+    """Frontend -> client: what this engine serves and its limits."""
+
+    model: str  # the name it serves the model under (served_model_names[0])
+    max_model_len: int  # tokens: prompt plus output, at most
+    num_kv_blocks: int  # KV-cache blocks on every rank
+    block_size: int  # tokens per block
+    vocab_size: int  # token ids are in [0, vocab_size)
+    info: dict[str, Any] = field(default_factory=dict)  # e.g. max_message_bytes (this port's limit), eos_token_id
+    served_model_names: list[str] = field(default_factory=list)  # names clients may ask for; `model` is the first
+
+
+@wire_message
+class Ping:
+    """Client -> frontend: are you alive? Answered by `Pong` with the same nonce.
+
+    Also the heartbeat between the frontend and the scheduler (each pings the other every second) and
+    from the scheduler to idle workers; never answered."""
+
+    nonce: int = 0  # any integer; the answer carries it back
+
+
+@wire_message
+class Pong:
+    """Frontend -> client: the answer to `Ping`."""
+
+    nonce: int = 0  # the ping's
+
+
+@wire_struct
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    logprob: float  # natural log of its probability
+    decoded_token: str  # tokenizer.decode([token_id])
+
+
+@wire_struct
+class PositionLogprobs:
+    """Logprobs at one position of an output (or of the prompt): the token there and the most likely ones."""
+
+    token_id: int  # the sampled token (or the prompt token)
+    logprob: float  # natural log of its probability
+    rank: int  # 1 = the most likely token of the distribution
+    decoded_token: str  # tokenizer.decode([token_id])
+    top: list[TopLogprob] = field(default_factory=list)  # the top-N, most likely first
+
+
+@wire_struct
+class SampleOutput:
+    """One sample of a request (vLLM's CompletionOutput): its news since the last output when streaming,
+    else all of it."""
+
+    index: int  # 0 .. n - 1
+    text: str = ""  # new text since the last output (streaming), else all of it
+    token_ids: list[int] = field(default_factory=list)  # output token ids, likewise
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while it runs
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, else None
+    logprobs: list[PositionLogprobs] | None = None  # one entry per token of `token_ids` (logprobs=N), else None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far (logprobs=N), else None
+
+
+@wire_struct
+class RequestOutput:
+    """Frontend -> client: news of one request (a delta when streaming, else the whole output).
+
+    The fields `text` .. `finish_reason`, `stop_reason`, `logprobs`, `cumulative_logprob` belong to sample
+    `index` (always 0 for n = 1); the request's other samples with news are in `samples`. `outputs` gives
+    them all as `SampleOutput`s in index order, the same for n = 1 and n > 1."""
+
+    request_id: str  # the client's, from GenerateRequest
+    text: str = ""  # new text since the last output of this request
+    token_ids: list[int] = field(default_factory=list)  # new output token ids since the last output
+    finished: bool = False  # the whole request (every sample) has finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None  # why the request failed (finish_reason "error")
+    num_prompt_tokens: int = 0  # tokens of the prompt as the engine ran it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # On finish: ttft_s, e2e_s, queue_s (arrival to first scheduled), all in seconds; num_preemptions.
+    metrics: dict[str, int | float] = field(default_factory=dict)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended sample `index`, else None
+    logprobs: list[PositionLogprobs] | None = None  # one entry per token of `token_ids` (logprobs=N), else None
+    cumulative_logprob: float | None = None  # sum of sample `index`'s sampled logprobs so far (logprobs=N)
+    # prompt_logprobs=N: one entry per prompt token, None for the first; in the first output (streaming) or the last
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    index: int = 0  # the sample the fields above describe
+    samples: list[SampleOutput] = field(default_factory=list)  # the other samples with news, index order
+    error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST, ERROR_ENGINE_DOWN or ERROR_OVERLOADED
+
+    @property
+    def outputs(self) -> list[SampleOutput]:
+        """Every sample with news in this output (all n when not streaming), in index order."""
+        first = SampleOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
+                             self.logprobs, self.cumulative_logprob)
+        return sorted([first, *self.samples], key=lambda s: s.index)
+
+
+# RequestOutput.error_type: whose fault an error is, so an HTTP server can answer 400 or 503.
+ERROR_INVALID_REQUEST = "invalid_request"  # this request can never run (a field out of range, a prompt too long)
+ERROR_ENGINE_DOWN = "engine_down"  # the engine is shutting down or a process died: the request may be retried
+ERROR_OVERLOADED = "overloaded"  # refused at once by --max-waiting-requests: the same request may succeed later
+
+
+@wire_message
+class RequestOutputs:
+    """Frontend -> client: outputs of one step for this client."""
+
+    outputs: list[RequestOutput]  # at most one per request
+
+
+@wire_message
+class ErrorReply:
+    """Frontend -> client: a message the frontend could not accept (e.g. malformed), or submitted requests it
+    refused without running them because their ids are those of this client's live requests (which go on
+    unaffected: an output with that id would have read as the live request's)."""
+
+    error: str  # what was wrong, for a person to read
+    refused_request_ids: list[str] = field(default_factory=list)  # the submitted requests refused, by id
+
+
+# Limits of the client port. Every engine takes client messages of at least MIN_MAX_MESSAGE_BYTES (its
+# own limit, `max_message_bytes`, is in EngineInfo.info; a peer sending more is disconnected unread),
+# and request ids of at most MAX_REQUEST_ID_CHARS characters (a longer one gets an ErrorReply).
+MIN_MAX_MESSAGE_BYTES = 64 << 10
+MAX_REQUEST_ID_CHARS = 256
+
+
+@wire_message
+class Tokenize:
+    """Client -> frontend: the token ids the engine would run for `request` (its prompt, prompt_token_ids or
+    messages, add_generation_prompt and add_special_tokens; nothing is generated). Answered by `TokenizeResult`."""
+
+    reply_id: int  # chosen by the client, copied into the answer
+    request: GenerateRequest  # its sampling fields are ignored
+
+
+@wire_message
+class TokenizeResult:
+    """Frontend -> client: the answer to `Tokenize`."""
+
+    reply_id: int  # the question's
+    token_ids: list[int] = field(default_factory=list)  # [prompt_len]
+    error: str | None = None  # why the prompt could not be tokenized (then `token_ids` is empty)
+
+
+@wire_message
+class Detokenize:
+    """Client -> frontend: the text of `token_ids`. Answered by `DetokenizeResult`."""
+
+    reply_id: int  # chosen by the client, copied into the answer
+    token_ids: list[int]
+    skip_special_tokens: bool = False  # leave out the text of special tokens (<|im_end|>, ...)
+
+
+@wire_message
+class DetokenizeResult:
+    """Frontend -> client: the answer to `Detokenize`."""
+
+    reply_id: int  # the question's
+    text: str = ""
+    error: str | None = None  # e.g. a token id outside the vocabulary
+
+
+@wire_message
+class GetEngineStats:
+    """Client -> frontend: ask for `EngineStats` (what a /metrics endpoint shows)."""
+
+    reply_id: int  # chosen by the client, copied into the answer
+
+
+@wire_struct
+class Histogram:
+    """Observations of one quantity, in buckets (Prometheus' cumulative buckets are sums of these)."""
+
+    name: str  # e.g. "time_to_first_token_seconds"
+    upper_bounds: list[float]  # ascending bucket bounds, in the quantity's unit (seconds or tokens)
+    bucket_counts: list[int]  # observations v with upper_bounds[i-1] < v <= upper_bounds[i]; one more for > the last
+    total: float  # sum of all observations
+
+
+@wire_message
+class EngineStats:
+    """Frontend -> client: engine-wide statistics, totals since the engine started."""
+
+    reply_id: int  # the question's
+    scheduler: SchedulerStats | None = None  # the latest the scheduler sent (None before its first step)
+    num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill finished (first token sampled)
+    num_generation_tokens: int = 0  # output tokens sampled
+    num_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests ended so far
+    histograms: list[Histogram] = field(default_factory=list)  # per-request latencies and lengths (frontend/stats.py)
