@@ -217,7 +217,7 @@ def test_a_frontend_busy_with_a_long_submission_is_not_taken_for_dead(llm: LLM) 
 
 
 def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
-    from frontend.process import load_tokenizer
+    from frontend.validation import load_tokenizer
 
     (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
     with pytest.raises(RuntimeError, match="tokenizer"):
