@@ -136,7 +136,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    from frontend.client import add_sampling_arguments
+    from frontend.cli import add_sampling_arguments
     from frontend.launcher import TIMEOUT_KEEP_ALIVE_S
 
     add_sampling_arguments(s)
@@ -204,7 +204,7 @@ def _print_worker_command(rank: int, argv: list[str], env: dict[str, str]) -> No
 def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, in one line, what the arguments alone show to be wrong, before any model is read or process
     started: prompts that are not UTF-8 text, a port out of range, a host with no network address."""
-    from frontend.client import undecodable_text, unresolvable_host
+    from frontend.cli import undecodable_text, unresolvable_host
 
     for n, text in enumerate(args.prompt or [], 1):
         where = undecodable_text(text)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --prompt (one or more), or --serve")
     if args.serve and args.prompt:
         parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
-    from frontend.client import sampling_params_from_args
+    from frontend.cli import sampling_params_from_args
 
     params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
                                        ignore_eos=args.ignore_eos)
@@ -417,7 +417,7 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
 def print_answers(prompts: list[str], answers: list[Any], as_json: bool, elapsed: float) -> int:
     """Print each prompt's answer (`StreamedOutput`s; an unfinished one as interrupted, with the text it has);
     returns 1 if any prompt failed or was interrupted, else 0."""
-    from frontend.client import json_row
+    from frontend.client_cli import json_row
 
     status = 0
     for text, answer in zip(prompts, answers):

@@ -1,7 +1,7 @@
-"""A ZeroMQ client of a running engine: an importable class and a command line.
+"""A ZeroMQ client of a running engine: `EngineClient`, and `StreamedOutput`, which puts a streamed
+request's deltas back together.
 
-    python -m frontend.client --port 8000 "What is the capital of France?"
-    python -m frontend.client --port 8000 --start-profile     # then --stop-profile (engine run with --profile-dir)
+    python -m frontend.client --port 8000 "What is the capital of France?"    # the command line: client_cli.py
 
 The client talks to the frontend's ROUTER socket with a DEALER socket, in `common.protocol`
 messages. While it waits it pings the frontend; if nothing answers for `dead_after_s` seconds it
@@ -13,10 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import numbers
-import os
-import socket
 import sys
 import threading
 import time
@@ -28,8 +25,7 @@ from typing import Any
 import zmq
 
 from common import ipc
-from common.curve import CurveKeys, client_keys, load_key_file
-from common.errors import quote
+from common.curve import CurveKeys
 from common.protocol import (
     ERROR_INVALID_REQUEST,
     MAX_REQUEST_ID_CHARS,
@@ -53,7 +49,6 @@ from common.protocol import (
     wire_error,
 )
 from common.sampling_params import SamplingParams
-from frontend.cli import ArgumentParser, HelpFormatter
 
 
 class EngineConnectionError(RuntimeError):
@@ -71,82 +66,6 @@ def output_dict(out: RequestOutput) -> dict[str, Any]:
             "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics,
             "outputs": [dataclasses.asdict(s) for s in out.outputs],
             "prompt_logprobs": None if prompt is None else [p and dataclasses.asdict(p) for p in prompt]}
-
-
-# Sampling flags shared by the client and launch.py (vLLM's names); their values build SamplingParams.
-SAMPLING_FLAGS = ("n", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                  "min_tokens", "stop", "logprobs", "prompt_logprobs")
-
-
-def add_sampling_arguments(group: Any) -> None:
-    """Add the sampling flags beyond --temperature, --max-tokens, --ignore-eos and --seed to a parser group."""
-    group.add_argument("--n", type=int, default=1, help="samples per prompt (the prompt is computed once)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens while the "
-                       "probability of those more likely is below this, in (0, 1]; 1 = off")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
-    group.add_argument("--min-p", type=float, default=0.0,
-                       help="drop tokens less likely than this times the most likely one, in [0, 1]; 0 = off")
-    group.add_argument("--repetition-penalty", type=float, default=1.0,
-                       help="> 0: logits of prompt and output tokens are divided (positive) or multiplied "
-                            "(negative) by it; 1 = off")
-    group.add_argument("--presence-penalty", type=float, default=0.0,
-                       help="in [-2, 2]: subtracted from the logit of every token already generated")
-    group.add_argument("--frequency-penalty", type=float, default=0.0,
-                       help="in [-2, 2]: times its count, subtracted from the logit of every generated token")
-    group.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before a stop token or "
-                       "stop string may end the output")
-    group.add_argument("--stop", action="append", default=None, help="a stop string (repeat for several)")
-    group.add_argument("--logprobs", type=int, default=None,
-                       help="return each sampled token's logprob and the N most likely (0..20)")
-    group.add_argument("--prompt-logprobs", type=int, default=None,
-                       help="return each prompt token's logprob and the N most likely (0..20)")
-    # Structured outputs (SamplingParams.structured_outputs): at most one of these.
-    group.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                       help="constrain the output to JSON valid against this schema (JSON text, or @FILE)")
-    group.add_argument("--json-object", action="store_true", help="constrain the output to some JSON object")
-    group.add_argument("--regex", default=None, help="constrain the whole output to match this regular expression")
-    group.add_argument("--choice", action="append", default=None,
-                       help="constrain the output to exactly one of these strings (repeat for each)")
-    group.add_argument("--grammar", default=None, metavar="EBNF",
-                       help="constrain the output to this EBNF (GBNF) grammar with a root rule (text, or @FILE)")
-
-
-# Structured-output flag -> the StructuredOutputsParams field it sets
-STRUCTURED_FLAGS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar"}
-
-
-def _structured_outputs_from_args(parser: ArgumentParser, args: Any) -> tuple[str, dict[str, Any]] | None:
-    """(the flag, the structured_outputs dict) of the structured-output flags, None without any; exits naming
-    the flag for two of them or for an @FILE that cannot be read."""
-    given = {flag: getattr(args, flag) for flag in STRUCTURED_FLAGS if getattr(args, flag) not in (None, False)}
-    if not given:
-        return None
-    options = [f"--{flag.replace('_', '-')}" for flag in given]
-    if len(given) > 1:
-        parser.error(f"{options[1]}: only one structured-output flag may be set, got {' and '.join(options)}")
-    (flag, value), = given.items()
-    if flag in ("json_schema", "grammar") and value.startswith("@"):
-        try:
-            with open(value[1:], encoding="utf-8") as f:
-                value = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            parser.error(f"{options[0]}: cannot read {quote(value[1:])}: {exc}")
-    return options[0], {STRUCTURED_FLAGS[flag]: value}
-
-
-def sampling_params_from_args(parser: ArgumentParser, args: Any, **fields: Any) -> SamplingParams:
-    """SamplingParams from the sampling flags (`args`, parsed by `parser`) plus `fields`; a bad value exits
-    with a one-line error naming its flag (e.g. "--top-p must be a finite number in (0, 1] ...")."""
-    option, structured = _structured_outputs_from_args(parser, args) or (None, None)
-    try:
-        return SamplingParams(**fields, **{name: getattr(args, name) for name in SAMPLING_FLAGS},
-                              structured_outputs=structured)
-    except ValueError as exc:
-        message = str(exc)
-        if option is not None and message.startswith("structured_outputs"):
-            parser.error(f"{option}: {message}")
-        parser.option_error(message)
 
 
 def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -> None:
@@ -497,205 +416,7 @@ class StreamedOutput:
                              first.index, samples[1:], last.error_type)
 
 
-# The metrics every `--json` line carries, null where a request has none (one refused before it ran).
-JSON_METRICS = ("ttft_s", "e2e_s", "num_preemptions", "queue_s")
+if __name__ == "__main__":  # `python -m frontend.client` runs the command line
+    from frontend.client_cli import main
 
-
-def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:
-    """One line of `--json` output (client and launch.py): the prompt, `output_dict` with the metrics
-    flattened in; every key of `JSON_METRICS` is present, None where `out` lacks it, so that a failed
-    prompt's line has the same keys as a finished one's."""
-    row = {"prompt": prompt, **output_dict(out)}
-    metrics = row.pop("metrics")
-    row.update({key: None for key in JSON_METRICS}, **metrics)
-    return row
-
-
-def undecodable_text(text: str) -> str | None:
-    """Where `text` has no UTF-8 encoding (a byte the shell passed undecoded, kept by Python as a
-    surrogate escape, or any lone surrogate); None if it has one."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate {text[exc.start]!r}"
-        return f"{what} at character {exc.start}"
-    return None
-
-
-def unresolvable_host(address: str) -> tuple[str, str] | None:
-    """(host, why) when the host of a tcp:// `address` has no network address; None when it has one
-    or `address` is not tcp. ZeroMQ would retry such a host in silence until the client times out."""
-    if not address.startswith("tcp://"):
-        return None
-    host = address[len("tcp://"):].rpartition(";")[2].rpartition(":")[0].strip("[]")  # [src;]host:port
-    try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        return host, getattr(exc, "strerror", None) or str(exc)
-    return None
-
-
-def _curve_options(server_key: str | None, client_key: str | None) -> CurveKeys | None:
-    """The CLI's CURVE keys: `server_key` a public key file or Z85 text, `client_key` a secret key file.
-    Raises `ValueError` naming the option for one that cannot be used."""
-    if server_key is None:
-        if client_key is not None:
-            raise ValueError("--client-key needs --server-key (the server's public key)")
-        return None
-    public = server_key if len(server_key) == 40 and not os.path.exists(server_key) else None
-    try:
-        if public is None:
-            public = load_key_file(server_key, secret=False)[0]
-        own = None
-        if client_key is not None:
-            own_public, own_secret = load_key_file(client_key, secret=True)
-            own = (own_public, own_secret or "")
-        return client_keys(public, own)
-    except ValueError as exc:
-        raise ValueError(f"--server-key / --client-key: {exc}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m frontend.client", formatter_class=HelpFormatter,
-                       description="Submit prompts to a running deltaserve engine and print the answers.")
-    p.add_argument("prompts", nargs="*", help="prompt texts")
-    p.add_argument("--prompt", action="append", default=[], dest="prompt_options", metavar="TEXT",
-                   help="a prompt, as launch.py takes them (repeatable; after the positional prompts)")
-    p.add_argument("--host", default="127.0.0.1", help="host of the engine (launch.py --serve --host)")
-    p.add_argument("--port", type=int, default=8000, help="port of the engine (launch.py --serve --port), 1..65535")
-    p.add_argument("--address", default=None, help="full ZMQ address (tcp://... or ipc://...), overrides host/port")
-    p.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed in [0, 2**63) that makes each prompt's samples reproducible (default: the engine's "
-                        "own seeded stream)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    add_sampling_arguments(p)
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt when it finishes (a failed one with its error)")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds without any answer before giving up (> 0)")
-    p.add_argument("--start-profile", nargs="?", type=int, const=0, default=None, metavar="STEPS",
-                   help="start tracing every engine process at the next step, for at most STEPS steps (default: as "
-                        "many as the engine's --profile-steps window holds); the engine needs --profile-dir")
-    p.add_argument("--stop-profile", action="store_true",
-                   help="stop the trace after the last step planned so far, wait until its files are written and "
-                        "merged, and print the summary")
-    p.add_argument("--server-key", default=None,
-                   help="the server's CURVE public key (its .key file, or the 40-character key), for a server "
-                        "started with --client-key")
-    p.add_argument("--client-key", default=None,
-                   help="this client's CURVE key pair (a .key_secret file), for a server that admits only listed "
-                        "clients (--client-allowed-keys); default: a fresh pair")
-    args = p.parse_args(argv)
-    args.prompts += args.prompt_options
-    profiling = args.start_profile is not None or args.stop_profile
-    if profiling and (args.prompts or (args.start_profile is not None and args.stop_profile)):
-        p.error("--start-profile and --stop-profile are used alone (no prompts, not both at once)")
-    if not profiling and not args.prompts:
-        p.error("give one or more prompts, or --start-profile / --stop-profile")
-    if args.start_profile is not None and args.start_profile < 0:
-        p.error(f"--start-profile STEPS must be >= 0, got {args.start_profile}")
-    if not args.timeout > 0:  # also refuses NaN
-        p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
-    params = sampling_params_from_args(p, args, temperature=args.temperature, max_tokens=args.max_tokens,
-                                       seed=args.seed, ignore_eos=args.ignore_eos)
-    for n, text in enumerate(args.prompts, 1):
-        where = undecodable_text(text)
-        if where is not None:
-            p.error(f"prompt argument {n} is not UTF-8 text: {where} cannot be decoded: give prompts in UTF-8")
-    if args.address is None and not 0 < args.port < 65536:
-        p.error(f"--port must be in 1..65535, got {args.port}")
-    address = args.address or f"tcp://{args.host}:{args.port}"
-    try:
-        curve = _curve_options(args.server_key, args.client_key)
-        client = EngineClient(address, dead_after_s=args.timeout, curve=curve)
-    except ValueError as exc:
-        p.error(str(exc))
-    unresolved = unresolvable_host(address)
-    if unresolved is not None:
-        client.close()
-        host, why = unresolved
-        print(f"error: cannot resolve the engine host {host!r} ({'--address' if args.address else '--host'}): {why}",
-              file=sys.stderr)
-        return 1
-    try:
-        client.engine_info(timeout_s=args.timeout)
-    except EngineConnectionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if profiling:
-        return profile_command(client, args.start_profile, args.json)
-    stream = len(args.prompts) == 1 and not args.json and params.n == 1
-    reqs: list[GenerateRequest] = []
-    for text in args.prompts:
-        req = GenerateRequest(client.new_request_id(), sampling=params.to_dict(), stream=stream)
-        if args.chat:
-            req.messages = [{"role": "user", "content": text}]
-        else:
-            req.prompt = text
-        reqs.append(req)
-    order = {r.request_id: i for i, r in enumerate(reqs)}
-    results: dict[str, dict[str, Any]] = {}
-    client.submit(reqs)
-    status = 0
-    try:
-        while len(results) < len(reqs):
-            for out in client.recv_outputs():
-                if stream:
-                    sys.stdout.write(out.text)
-                    sys.stdout.flush()
-                if not out.finished:
-                    continue
-                results[out.request_id] = json_row(args.prompts[order[out.request_id]], out)
-                if out.error:
-                    if stream:  # end the line of the text streamed so far
-                        print()
-                    print(f"error: {out.error}", file=sys.stderr)
-                    status = 1
-                if args.json:  # every prompt, failed ones too: one object per prompt
-                    print(json.dumps(results[out.request_id], ensure_ascii=False))
-                elif not stream and not out.error:
-                    for sample in out.outputs:
-                        label = f" [sample {sample.index}]" if params.n > 1 else ""
-                        print(f"--- {results[out.request_id]['prompt']}{label}\n{sample.text}\n")
-        if stream and not status:
-            print()
-    except KeyboardInterrupt:
-        client.abort([r.request_id for r in reqs])
-        return 130
-    except EngineConnectionError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    return status
-
-
-def profile_command(client: EngineClient, start_steps: int | None, as_json: bool) -> int:
-    """--start-profile (`start_steps` not None) or --stop-profile: ask, print the answer, close the client."""
-    try:
-        if start_steps is not None:
-            status = client.start_profile(start_steps)
-            text = (f"profiling session {status.session}: steps {status.first_step}..{status.last_step} at most "
-                    f"(stop it with --stop-profile); files go to {status.folder}")
-        else:
-            status = client.stop_profile()
-            text = status.summary or (f"profiling session {status.session} stopped after step {status.last_step}; "
-                                      f"files in {status.folder}")
-    except (RuntimeError, EngineConnectionError) as exc:  # the engine refused, or did not answer
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    if as_json:
-        print(json.dumps({"session": status.session, "first_step": status.first_step, "last_step": status.last_step,
-                          "folder": status.folder, "summary": status.summary}, ensure_ascii=False))
-    else:
-        print(text, end="" if text.endswith("\n") else "\n")
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

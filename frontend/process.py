@@ -8,8 +8,8 @@ Liveness: clients ping this process; it and the scheduler ping each other every 
 A scheduler silent for DELTASERVE_SCHEDULER_TIMEOUT_S (stopped, or stuck without exiting, which
 the launcher cannot see) fails every pending request and ends this process, and with it the engine.
 
-Validation happens here, per request, before anything is queued: a bad request gets an error
-output naming the limit, and the others in the same message go ahead.
+Each request is validated before anything is queued (frontend/validation.py: what a request becomes):
+a bad request gets an error output naming the limit, and the others in the same message go ahead.
 
 A request of n samples takes the seq ids seq_id .. seq_id + n - 1 (the scheduler forks them); its
 outputs gather every sample's news (frontend/outputs.py: stop strings, stop-token text, logprobs).
@@ -18,21 +18,17 @@ outputs gather every sample's news (frontend/outputs.py: stop strings, stop-toke
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError, quote, shorten
-from common.limits import prompt_limit_error, token_id_range_error
 from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
@@ -50,12 +46,10 @@ from common.protocol import (
     EngineReady,
     EngineRequest,
     ErrorReply,
-    GenerateRequest,
     GetEngineInfo,
     GetEngineStats,
     Ping,
     Pong,
-    PositionLogprobs,
     ProcessReady,
     ProfileStart,
     ProfileStatus,
@@ -63,127 +57,23 @@ from common.protocol import (
     ProtocolError,
     RequestOutput,
     RequestOutputs,
-    SamplingOptions,
     StartProfile,
     StepOutputs,
     StopProfile,
     Submit,
     Tokenize,
-    TokenizeResult,
     decode,
     encode,
-    i32,
 )
-from common.sampling_params import SamplingParams
 from common.units import count
 from frontend.outputs import SampleState, TokenTexts, prompt_logprobs_of, sampled_logprobs
 from frontend.stats import EngineStatsCollector
+from frontend.validation import RequestState, RequestValidator, load_tokenizer
 
 log = logging.getLogger("deltaserve.frontend")
 # While validating a long submission, clients hear a Pong this often (seconds), so that their silence
 # timeout (20 s by default) does not take a busy frontend for a dead one.
 KEEPALIVE_S = 0.5
-
-
-def load_tokenizer(path: str) -> Any:
-    """The fast tokenizer in folder `path`. Raises `ExplainedError` if there is none."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises several types for a folder without a tokenizer
-        raise ExplainedError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
-    if not getattr(tok, "is_fast", False):
-        raise ExplainedError(f"the tokenizer in {path} has no fast (Rust) implementation, which the detokenizer needs")
-    if len(tok) < 2:  # transformers builds an empty tokenizer for a folder without tokenizer files
-        raise ExplainedError(f"no tokenizer in {path} (tokenizer.json, or vocab and merges files): "
-                             f"pass --tokenizer DIR")
-    return tok
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters any one token can stand for: a text longer than `max_model_len` times this
-    has more than `max_model_len` tokens, so it is refused before it is tokenized."""
-    return max(1, max(len(t) for t in tokenizer.get_vocab()))
-
-
-def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
-    """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (with the request's
-    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`), or given ids.
-    `req.add_special_tokens` (None: True for a prompt, False for messages, whose template writes its own).
-
-    Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
-    refuses the messages (or its options contradict each other), or a text is longer than `max_chars`
-    characters (checked before tokenizing).
-    """
-    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
-    if len(given) != 1:
-        raise ValueError(f"a request needs exactly one of prompt, prompt_token_ids, messages; got {given or 'none'}")
-    if req.prompt_token_ids is not None:
-        return list(req.prompt_token_ids)
-    if req.prompt is not None:
-        text, special = req.prompt, req.add_special_tokens is not False
-    else:
-        messages = req.messages
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-        if req.add_generation_prompt and req.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first "
-                             "opens a new assistant turn, the second continues the last message")
-        own = sorted(set(req.chat_template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
-        if own:
-            raise ValueError(f"chat_template_kwargs cannot set {own}: they are arguments of the template call, not "
-                             "template variables")
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                 continue_final_message=req.continue_final_message, tokenize=False,
-                                                 **req.chat_template_kwargs)
-        except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
-            why = f"the chat template refused these messages: {type(exc).__name__}: {exc}"
-            raise ValueError(shorten(why)) from None
-        special = bool(req.add_special_tokens)
-    if max_chars is not None and len(text) > max_chars:
-        raise ValueError(f"the prompt has {len(text)} characters: more than max_model_len tokens for sure "
-                         f"(at most {max_chars} characters can fit)")
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-@dataclass
-class RequestState:
-    client: bytes
-    request_id: str
-    seq_id: int  # of sample 0; sample i has seq_id + i
-    params: SamplingParams
-    num_prompt_tokens: int
-    samples: list[SampleState]
-    arrival_time: float
-    prompt_token_ids: list[int] = field(default_factory=list)
-    stream: bool = False
-    first_token_time: float = 0.0
-    last_token_time: float = 0.0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    error: str | None = None
-    num_unfinished: int = 1
-    queue_s: float | None = None  # sample 0's time from arrival to its first scheduling, once it finished
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # position 0 is None
-    prompt_logprobs_sent: bool = False
-
-
-def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
-    """Each bad word's token ids, alone and after a space (vLLM's rule: the spaced form counts only when
-    it begins with another token and has as many tokens, i.e. a space-joined variant of the word)."""
-    out: list[list[int]] = []
-    for word in words:
-        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        for ids in (bare, spaced) if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare) else (
-                bare,):
-            if ids and ids not in out:
-                out.append(ids)
-    return out
 
 
 class FrontendProcess:
@@ -207,15 +97,7 @@ class FrontendProcess:
         self.not_started: set[int] = set()  # sample 0's seq ids of requests without a first token yet
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request_id) -> seq id of sample 0
         self.token_texts = TokenTexts(self.tokenizer)
-        self.next_seq_id = 0
-        eos = set(config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(eos)
-        self.num_kv_blocks = 0
-        self.block_size = config.block_size
-        assert config.max_model_len is not None
-        self.max_prompt_chars = config.max_model_len * longest_token_chars(self.tokenizer)
+        self.validator = RequestValidator(config, self.tokenizer)
         self.ready_info: dict[str, Any] = {}
         self.profiling = FrontendProfiling(config, run_id_of(endpoints.run_dir), self._reply,
                                            lambda msg: ipc.send(self.to_scheduler, msg))
@@ -226,14 +108,14 @@ class FrontendProcess:
         msg = ipc.recv(self.from_scheduler)
         if not isinstance(msg, EngineReady):
             raise RuntimeError(f"expected EngineReady from the scheduler, got {type(msg).__name__}")
-        self.num_kv_blocks, self.block_size = msg.num_kv_blocks, msg.block_size
+        self.validator.num_kv_blocks, self.validator.block_size = msg.num_kv_blocks, msg.block_size
         self.ready_info = dict(msg.info)
         ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
         eos = self.tokenizer.eos_token_id  # the HTTP server's stop_reason is None at this one (vLLM's rule)
         return {"model": self.config.served_model_names[0], "max_model_len": self.config.max_model_len,
-                "num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                "num_kv_blocks": self.validator.num_kv_blocks, "block_size": self.validator.block_size,
                 "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
                 "max_waiting_requests": self.config.max_waiting_requests,
                 "eos_token_id": None if eos is None else int(eos), **self.ready_info}
@@ -362,7 +244,7 @@ class FrontendProcess:
         elif isinstance(msg, GetEngineStats):
             self._reply(client, self.stats.snapshot(msg.reply_id))
         elif isinstance(msg, Tokenize):
-            self._reply(client, self._tokenize(msg))
+            self._reply(client, self.validator.tokenize(msg))
         elif isinstance(msg, Detokenize):
             self._reply(client, self._detokenize(msg))
         elif isinstance(msg, Ping):
@@ -400,7 +282,7 @@ class FrontendProcess:
                 taken.append(req.request_id)
                 continue
             try:
-                engine_req, state = self._validate(client, req)
+                engine_req, state = self.validator.validate(client, req)
             except ValueError as exc:
                 rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
                                               error=shorten(str(exc)),
@@ -445,19 +327,6 @@ class FrontendProcess:
         st = self.requests.get(base)
         return [] if st is None else [base + s.index for s in st.samples if not s.finished]
 
-    def _tokenize(self, msg: Tokenize) -> TokenizeResult:
-        """The token ids `msg.request` would run with, or why it cannot be tokenized or run (too long, ...)."""
-        try:
-            ids = encode_prompt(self.tokenizer, msg.request, self.max_prompt_chars)
-            arr = np.asarray(ids, dtype=np.int64)
-        except (ValueError, OverflowError) as exc:
-            return TokenizeResult(msg.reply_id, error=str(exc) if isinstance(exc, ValueError)
-                                  else "a token id does not fit in 64 bits: out of the vocabulary")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.config.vocab_size):
-            return TokenizeResult(msg.reply_id, error=f"token ids must be in [0, {self.config.vocab_size}); got min "
-                                                      f"{int(arr.min())}, max {int(arr.max())}")
-        return TokenizeResult(msg.reply_id, ids)
-
     def _detokenize(self, msg: Detokenize) -> DetokenizeResult:
         ids = msg.token_ids
         bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
@@ -469,68 +338,6 @@ class FrontendProcess:
         except Exception as exc:  # the Rust tokenizer raises its own types (an id it has no piece for)
             return DetokenizeResult(msg.reply_id, error=f"cannot decode these token ids: {exc}")
         return DetokenizeResult(msg.reply_id, text)
-
-    def _validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
-        """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
-        params = SamplingParams.from_dict(req.sampling)
-        vocab = self.config.vocab_size
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n must be in [1, max_num_seqs={self.config.max_num_seqs}] (the samples run at "
-                             f"once), got {params.n}")
-        bad_bias = sorted(t for t in params.logit_bias or {} if t >= vocab)
-        if bad_bias:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad_bias[0]}")
-        ids = encode_prompt(self.tokenizer, req, self.max_prompt_chars)  # ints: the protocol checked given ids
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except OverflowError:  # an id past 2**63 (a numpy uint64, say): out of the vocabulary all the same
-            raise PromptRejected(token_id_range_error(min(ids), max(ids), self.config.vocab_size)
-                                 or f"prompt token ids must be in [0, 2**63); got min {min(ids)}, max {max(ids)}",
-                                 len(ids)) from None
-        assert self.config.max_model_len is not None
-        error = prompt_limit_error(arr, self.config.max_model_len, self.block_size, self.num_kv_blocks, vocab)
-        if error is not None:
-            raise PromptRejected(error, len(ids))
-        if req.max_tokens_within_context and len(ids) + params.max_tokens > self.config.max_model_len:
-            raise PromptRejected(context_length_error(len(ids), params.max_tokens, self.config.max_model_len,
-                                                      "messages" if req.messages is not None else "prompt"), len(ids))
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.eos_token_ids)
-        seq_id = self.next_seq_id
-        self.next_seq_id += params.n
-        now = time.time()
-        temperature = 0.0 if params.greedy else float(params.temperature)
-        grammar = params.structured_outputs.grammar_spec() if params.structured_outputs is not None else None
-        engine_req = EngineRequest(seq_id, i32(arr), temperature, params.max_tokens, params.seed, sorted(stop_ids),
-                                   now, self._options(params, stop_ids), params.n, grammar)
-        samples = [SampleState(i, self.tokenizer, ids, params) for i in range(params.n)]
-        state = RequestState(client, req.request_id, seq_id, params, len(ids), samples, now, ids, stream=req.stream,
-                             num_unfinished=params.n,
-                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        return engine_req, state
-
-    def _options(self, params: SamplingParams, stop_ids: set[int]) -> SamplingOptions | None:
-        """What the workers must apply, or None for a request that uses only temperature. Greedy requests
-        drop top_k, top_p and min_p (an argmax stays the argmax); ids past the vocabulary cannot be
-        sampled, so they are not masked."""
-        vocab = self.config.vocab_size
-        greedy = params.greedy
-        options = SamplingOptions(
-            top_k=0 if greedy or params.top_k <= 0 or params.top_k >= vocab else params.top_k,
-            top_p=1.0 if greedy else float(params.top_p),
-            min_p=0.0 if greedy else float(params.min_p),
-            presence_penalty=float(params.presence_penalty),
-            frequency_penalty=float(params.frequency_penalty),
-            repetition_penalty=float(params.repetition_penalty),
-            logit_bias=dict(params.logit_bias or {}),
-            bad_words=[w for w in bad_words_token_ids(self.tokenizer, params.bad_words or []) if max(w) < vocab],
-            min_tokens=params.min_tokens,
-            stop_token_ids=sorted(t for t in stop_ids if t < vocab) if params.min_tokens else [],
-            logprobs=-1 if params.logprobs is None else params.logprobs,
-            prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
-        )
-        return None if options == SamplingOptions() else options
 
     # ------------------------------------------------------------------ scheduler outputs
     def _handle_scheduler(self, raw: bytes) -> None:
@@ -651,21 +458,6 @@ class FrontendProcess:
 
 
 LAUNCHER_GONE = "the launcher (the engine's parent process) is gone: it was killed or crashed"
-
-
-def context_length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int, where: str) -> str:
-    """vLLM's words for a request whose prompt and max_tokens do not fit in the context together."""
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {where}, {max_tokens} in the "
-            f"completion). Please reduce the length of the {where} or completion.")
-
-
-class PromptRejected(ValueError):
-    """A tokenized prompt the engine cannot run; `num_prompt_tokens` is its length, reported to the client."""
-
-    def __init__(self, message: str, num_prompt_tokens: int) -> None:
-        super().__init__(message)
-        self.num_prompt_tokens = num_prompt_tokens
 
 
 class SchedulerSilent(ExplainedError):

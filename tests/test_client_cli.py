@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from frontend.client import main
+from frontend.client_cli import main
 from tests.conftest import REPO
 
 UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: the .invalid top-level domain never resolves

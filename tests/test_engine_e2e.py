@@ -217,7 +217,7 @@ def test_a_frontend_busy_with_a_long_submission_is_not_taken_for_dead(llm: LLM) 
 
 
 def test_a_folder_without_tokenizer_files_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
-    from frontend.process import load_tokenizer
+    from frontend.validation import load_tokenizer
 
     (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
     with pytest.raises(RuntimeError, match="tokenizer"):
@@ -287,7 +287,7 @@ def test_streamed_deltas_add_up_to_the_non_streamed_text(llm: LLM) -> None:
 
 # ----------------------------------------------------------------------------- the client CLI
 def test_client_cli_json_prints_one_object_per_prompt_failed_ones_included(llm: LLM, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "2", "one", "", "two"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -306,7 +306,7 @@ def test_client_cli_json_prints_one_object_per_prompt_failed_ones_included(llm: 
     (["--address", "http://x", "hi"], "cannot connect to the engine address 'http://x': Protocol not supported"),
 ])
 def test_client_cli_refuses_bad_arguments_by_name(argv: list[str], message: str, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -16,7 +16,7 @@ import pytest
 
 from common.protocol import RequestOutput
 from deltaserve import LLM, SamplingParams
-from frontend.client import JSON_METRICS, json_row
+from frontend.client_cli import JSON_METRICS, json_row
 from launch import decode_rate, run_prompts
 from tests.conftest import REPO
 from tests.test_engine_e2e import llm  # noqa: F401  (the engine fixture, started once for this module)

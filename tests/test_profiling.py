@@ -28,7 +28,7 @@ from common.profiling import (
     session_folder,
 )
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
-from frontend.client import main as client_main
+from frontend.client_cli import main as client_main
 from tests.conftest import REPO
 from tests.test_config import write_checkpoint
 

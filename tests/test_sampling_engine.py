@@ -372,7 +372,7 @@ def test_bad_values_sent_over_the_wire_fail_their_own_request_only(llm: LLM) -> 
     (["--temperature", "1e308"], "--temperature must be a finite number in [0, 3.4e38]"),
 ])
 def test_the_client_cli_refuses_a_bad_sampling_flag_by_name(argv: list[str], message: str, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "hi"])
@@ -394,7 +394,7 @@ def test_launch_refuses_a_bad_sampling_flag_before_starting_an_engine(tiny_qwen3
 
 
 def test_the_cli_flags_reach_the_engine(llm: LLM, tiny_qwen3: Path, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "5", "--n", "2", "--top-k",
                  "20", "--top-p", "0.9", "--min-p", "0.01", "--temperature", "0.8", "--seed", "4", "--logprobs", "2",

@@ -279,7 +279,7 @@ def test_client_key_options_that_cannot_be_used_are_refused_by_name(tiny_qwen3: 
 def test_a_public_key_file_is_refused_where_a_secret_one_is_needed(tmp_path: Path, capsys) -> None:
     import zmq.auth
 
-    from frontend.client import main
+    from frontend.client_cli import main
 
     public, _ = zmq.auth.create_certificates(tmp_path, "alice")
     with pytest.raises(ValueError, match="has no secret key"):

@@ -325,7 +325,7 @@ def test_a_malformed_constraint_is_refused_naming_the_field(so: object, message:
 
 # ============================================================================ command-line flags
 def test_the_client_cli_constrains_by_choice_and_by_a_schema_file(llm: LLM, tmp_path: Path, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "8", "--choice", "yes",
                  "--choice", "no", "Answer:"])
@@ -351,7 +351,7 @@ def test_the_client_cli_constrains_by_choice_and_by_a_schema_file(llm: LLM, tmp_
     (["--choice", ""], "--choice: structured_outputs.choice must be a non-empty list of non-empty strings"),
 ])
 def test_the_client_cli_refuses_a_bad_structured_output_flag_by_name(argv: list[str], message: str, capsys) -> None:
-    from frontend.client import main
+    from frontend.client_cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "hi"])
