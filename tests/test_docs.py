@@ -5,6 +5,7 @@ README.md stays short."""
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import runpy
 import sys
@@ -161,3 +162,50 @@ def test_every_environment_variable_is_documented_in_configuration() -> None:
     assert {"DELTASERVE_CACHE", "DELTASERVE_CURVE_KEYS", "DELTASERVE_PDL"} <= variables
     documented = set(re.findall(r"`(DELTASERVE_[A-Z0-9_]+)`", CONFIGURATION.read_text(encoding="utf-8")))
     assert not variables - documented, f"docs/configuration.md does not list {sorted(variables - documented)}"
+
+
+# ============================================================================ the module map
+MAP_START = "<!-- The module map"
+MAP_END = "<!-- End of the module map. -->"
+MAPPED_PACKAGES = ("common", "frontend", "scheduler_proc", "workers", "gpu_kernels", "deltaserve")
+
+
+def module_map() -> str:
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    return text[text.index(MAP_START): text.index(MAP_END)]
+
+
+def only_a_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
+
+
+def unmapped_modules(map_text: str) -> list[str]:
+    """Our modules the map names neither by path nor by file name in the row of their folder (`workers/models/`
+    ... `llama.py`). A package's `__main__.py` and an `__init__.py` that holds only its docstring need no row."""
+    rows = [line for line in map_text.splitlines() if line.startswith("|")]
+    missing = []
+    for package in MAPPED_PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if path.name == "__main__.py" or (path.name == "__init__.py" and only_a_docstring(path)):
+                continue
+            folder = rel.rsplit("/", 1)[0] + "/"
+            named = f"`{rel}`" in map_text or (path.name == "__init__.py" and f"`{folder}`" in map_text)
+            in_folder_row = any(f"`{folder}`" in row and f"`{path.name}`" in row for row in rows)
+            if not (named or in_folder_row):
+                missing.append(rel)
+    return missing
+
+
+def test_the_module_map_names_every_module() -> None:
+    missing = unmapped_modules(module_map())
+
+    assert not missing, f"docs/architecture.md's module map does not name: {missing}"
+
+
+def test_the_module_map_check_sees_a_missing_row() -> None:
+    text = module_map()
+    row = next(line for line in text.splitlines() if "`workers/cuda_graphs.py`" in line)
+
+    assert unmapped_modules(text.replace(row, "")) == ["workers/cuda_graphs.py"]
