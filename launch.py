@@ -137,7 +137,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     from frontend.cli import add_sampling_arguments
-    from frontend.launcher import TIMEOUT_KEEP_ALIVE_S
+    from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S
 
     add_sampling_arguments(s)
     s.add_argument("--chat", action="store_true", help="wrap each prompt as a user message of the chat template")
@@ -160,6 +160,10 @@ def build_parser() -> ArgumentParser:
                    help=f"seconds an idle HTTP keep-alive connection stays open (default {TIMEOUT_KEEP_ALIVE_S}: "
                         "longer than the pool expiry of common clients, 5 s for httpx and openai, so that none reuses "
                         "a connection just as the server closes it)")
+    v.add_argument("--timeout-header", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds an HTTP connection may take to send a request head, from its accept (or, on a "
+                        f"keep-alive connection, from the first byte of its next request), and between two reads of a "
+                        f"body; then it is answered 408 and closed (default {TIMEOUT_HEADER_S:g})")
     v.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="between the engine's own processes: ipc sockets in a per-launch folder, or tcp")
     v.add_argument("--client-key", default=None,
@@ -224,6 +228,14 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
             parser.error("--timeout-keep-alive needs --http-port")
         if args.timeout_keep_alive < 1:
             parser.error(f"--timeout-keep-alive must be at least 1 (seconds), got {args.timeout_keep_alive}")
+    if args.timeout_header is not None:
+        from frontend.launcher import timeout_header_error
+
+        if args.http_port is None:
+            parser.error("--timeout-header needs --http-port")
+        error = timeout_header_error(args.timeout_header)
+        if error is not None:
+            parser.error(f"--timeout-header {error}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key must not be empty")
     if args.client_key is not None and args.http_port is not None:
@@ -309,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                 parser.exit(2, f"{parser.prog}: error: {exc}{hint}\n")  # one line: the arguments are fine
         client_listener = held.get("--port")
         if "--http-port" in held:
-            keep_alive = {} if args.timeout_keep_alive is None else {"timeout_keep_alive_s": args.timeout_keep_alive}
+            timeouts = {name: value for name, value in (("timeout_keep_alive_s", args.timeout_keep_alive),
+                                                        ("timeout_header_s", args.timeout_header)) if value is not None}
             http = HTTPOptions(args.host, args.http_port, held["--http-port"], args.api_key, args.api_server_count,
-                               **keep_alive)
+                               **timeouts)
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -41,6 +42,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Seconds an idle HTTP keep-alive connection stays open: longer than the idle expiry of common clients' and
 # proxies' pools (httpx 5 s, aiohttp 15 s, load balancers <= 60 s; see frontend/openai/server.py).
 TIMEOUT_KEEP_ALIVE_S = 65
+# Seconds a connection may take to send a request head (from its accept, or from the first byte of a keep-alive
+# connection's next request) and between two reads of a body; then it is closed (frontend/openai/connection.py).
+TIMEOUT_HEADER_S = 10.0
+MAX_TIMEOUT_HEADER_S = 3600.0
+
+
+def timeout_header_error(seconds: float) -> str | None:
+    """Why `seconds` cannot be the header timeout, as the end of a sentence naming it (None: it can)."""
+    if math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_HEADER_S:
+        return None
+    return f"must be a number of seconds in (0, {MAX_TIMEOUT_HEADER_S:g}], got {seconds:g}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class HTTPOptions:
     api_key: str | None = None
     count: int = 1
     timeout_keep_alive_s: int = TIMEOUT_KEEP_ALIVE_S
+    timeout_header_s: float = TIMEOUT_HEADER_S
 
 
 def raise_open_file_limit() -> int:
@@ -195,7 +208,8 @@ class EngineProcesses:
                     curve = ("--client-curve",) if self.client_keys(f"http-{i}") is not None else ()
                     self._spawn(f"http-{i}", "frontend.openai", "--index", str(i), "--http-host", self.http.host,
                                 "--http-port", str(self.http.port), "--http-fd", str(fd),
-                                "--timeout-keep-alive", str(self.http.timeout_keep_alive_s), *curve, pass_fds=(fd,),
+                                "--timeout-keep-alive", str(self.http.timeout_keep_alive_s),
+                                "--timeout-header", repr(self.http.timeout_header_s), *curve, pass_fds=(fd,),
                                 env_extra=key)
                 self._release_http_listener()
             # Each port is held by the process that binds it now: its exit must free it.

@@ -57,24 +57,45 @@ class HTTPServer:
             time.sleep(0.05)
 
 
-def _soft_nofile(limit: int | None) -> Callable[[], None] | None:
-    if limit is None:
+def _lower_nofile(soft: int | None, hard: int | None) -> Callable[[], None] | None:
+    if soft is None and hard is None:
         return None
 
     def lower() -> None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        hard_now = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard_now if soft is None else soft, hard_now))
 
     return lower
 
 
+def http_process_pid(launcher_pid: int, index: int = 0) -> int:
+    """The pid of the launcher's child deltaserve-http-INDEX, from /proc."""
+    title = f"deltaserve-http-{index}".encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                name = f.read().split(b"\0")[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and name.split(b" ")[0] == title:
+            return int(entry.name)
+    raise AssertionError(f"no {title.decode()} process")
+
+
 @contextlib.contextmanager
 def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | None = API_KEY,
-                timeout_s: float = 300.0, soft_nofile: int | None = None) -> Iterator[HTTPServer]:
+                timeout_s: float = 300.0, soft_nofile: int | None = None,
+                hard_nofile: int | None = None) -> Iterator[HTTPServer]:
     """`launch.py --model MODEL --http-port P --device cpu ...` until it prints that it serves; stopped with
-    Ctrl-C (SIGINT) at the end, which must end it cleanly. `soft_nofile`: the launcher starts with this soft
-    RLIMIT_NOFILE (as under a shell's `ulimit -Sn`)."""
+    Ctrl-C (SIGINT) at the end, which must end it cleanly. `soft_nofile`, `hard_nofile`: the launcher starts with
+    this soft or hard RLIMIT_NOFILE (as under a shell's `ulimit -Sn` or `ulimit -Hn`; the soft one follows a
+    lowered hard one)."""
     port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     stderr_path = tmp_path / "server.stderr"
@@ -84,7 +105,7 @@ def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | N
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                start_new_session=True, preexec_fn=_soft_nofile(soft_nofile))
+                                start_new_session=True, preexec_fn=_lower_nofile(soft_nofile, hard_nofile))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()

@@ -109,6 +109,13 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused_before_the_engine_starts(
     (["--serve", "--http-port", "8123", "--timeout-keep-alive", "0"],
      "--timeout-keep-alive must be at least 1 (seconds), got 0"),
     (["--serve", "--timeout-keep-alive", "70"], "--timeout-keep-alive needs --http-port"),
+    (["--serve", "--http-port", "8123", "--timeout-header", "0"],
+     "--timeout-header must be a number of seconds in (0, 3600], got 0"),
+    (["--serve", "--http-port", "8123", "--timeout-header", "nan"],
+     "--timeout-header must be a number of seconds in (0, 3600], got nan"),
+    (["--serve", "--http-port", "8123", "--timeout-header", "inf"],
+     "--timeout-header must be a number of seconds in (0, 3600], got inf"),
+    (["--serve", "--timeout-header", "5"], "--timeout-header needs --http-port"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_a_bad_option_is_one_line_naming_the_option_and_pointing_to_help(

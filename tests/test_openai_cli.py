@@ -50,7 +50,8 @@ def test_unusable_http_flags_are_refused_naming_them(tmp_path: Path, flags: list
 
 def test_help_documents_the_http_flags() -> None:
     out = launch("--help").stdout
-    for flag in ("--http-port", "--api-key", "--served-model-name", "--api-server-count", "--host"):
+    for flag in ("--http-port", "--api-key", "--served-model-name", "--api-server-count", "--host",
+                 "--timeout-keep-alive", "--timeout-header"):
         assert flag in out
 
 

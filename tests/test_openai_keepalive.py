@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.openai_server import HTTPServer, http_server
+from tests.openai_server import HTTPServer, http_process_pid, http_server
 
 HTTPX_KEEPALIVE_EXPIRY_S = 5.0  # httpx.Limits' default, the pool of the `openai` package too
 
@@ -89,22 +89,10 @@ def test_timeout_keep_alive_sets_how_long_an_idle_connection_stays_open(tuned_se
 
 def http_process_limits(launcher_pid: int) -> tuple[int, int]:
     """(soft, hard) RLIMIT_NOFILE of the launcher's child deltaserve-http-0, from /proc."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher_pid and title.startswith(b"deltaserve-http-0"):
-            with open(f"/proc/{entry.name}/limits") as f:
-                row = next(line for line in f if line.startswith("Max open files")).split()
-            soft, hard = (resource.RLIM_INFINITY if v == "unlimited" else int(v) for v in row[3:5])
-            return soft, hard
-    raise AssertionError("no deltaserve-http-0 process")
+    with open(f"/proc/{http_process_pid(launcher_pid)}/limits") as f:
+        row = next(line for line in f if line.startswith("Max open files")).split()
+    soft, hard = (resource.RLIM_INFINITY if v == "unlimited" else int(v) for v in row[3:5])
+    return soft, hard
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the HTTP process's limits from /proc")

@@ -17,9 +17,19 @@ load balancers: 60 s); a server that closes first races the client's next reques
 socket being closed and fails with a connection reset (httpx's empty `ReadError`), never reaching the app.
 uvicorn's default of 5 s equals httpx's expiry: 5 of 200 requests sent after 4.8 to 5 s of idleness were lost.
 
-Connections: each is a file descriptor. The soft RLIMIT_NOFILE is raised to the hard limit at start-up,
-and uvicorn answers 503 to a request beyond `limit - FD_RESERVE` open connections, before the limit drops
-sockets without a word.
+Slow clients (`connection.py`): a connection must deliver a complete request head within `--timeout-header`
+seconds (10) of its accept, or, on a keep-alive connection, of the first byte of its next request (the silence
+before that byte is the keep-alive timeout's); a request body may pause at most that long between two reads.
+A client that never sent a byte is then closed without a word, any other is answered 408 and closed; a body's
+request is ended as if its client had left. Without it, uvicorn held such connections for ever: 500 silent
+connections, or a few that trickle a header, kept their descriptors until the cap below was reached and every
+other client got a 503.
+
+Connections: each is a file descriptor. The soft RLIMIT_NOFILE is raised to the hard limit at start-up, and at
+most `limit - FD_RESERVE` connections are served at once: one beyond them is answered 503 and closed as soon as
+it is accepted, before it sends anything (and before the limit drops sockets without a word). A connection that
+is answered and closed lingers up to a second, reading what its client still sends, so that the answer is not
+lost to a reset.
 """
 
 from __future__ import annotations
@@ -41,8 +51,9 @@ from common.config import EngineConfig
 from common.proc import engine_process_main
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
-from frontend.launcher import TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
+from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
 from frontend.openai.app import build_app, version
+from frontend.openai.connection import HTTPConfig
 from frontend.openai.serving import ServerState
 
 log = logging.getLogger("deltaserve.http")
@@ -69,6 +80,7 @@ class HTTPServerProcess:
         self.name = f"http-{args.index}"
         self.host, self.port, self.fd = args.http_host, args.http_port, args.http_fd
         self.timeout_keep_alive_s = args.timeout_keep_alive
+        self.timeout_header_s = args.timeout_header
         self.max_connections = self._connection_limit()
         self.control = endpoints.make_socket(zmq.Context.instance(), zmq.PUSH, endpoints.control, bind=False)
         # The client port is CURVE-protected when it is an internal tcp socket (`--transport tcp` without
@@ -84,7 +96,7 @@ class HTTPServerProcess:
         limit = max(1, nofile - FD_RESERVE)
         if limit < FEW_CONNECTIONS:
             log.warning("%s can hold only %d connections at once (RLIMIT_NOFILE is %d, and its hard limit); "
-                        "requests beyond them get a 503: raise it with `ulimit -Hn` (or LimitNOFILE= in systemd, "
+                        "connections beyond them get a 503: raise it with `ulimit -Hn` (or LimitNOFILE= in systemd, "
                         "--ulimit nofile= in Docker) before launching", self.name, limit, nofile)
         return limit
 
@@ -117,10 +129,10 @@ class HTTPServerProcess:
         state = ServerState(client, api_key=envs.api_key(), max_body_bytes=envs.http_max_body_bytes(),
                             version=version())
         level = self.config.log_level.lower()
-        server = _Server(uvicorn.Config(build_app(state), log_level=level, access_log=level == "debug",
-                                        lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                        timeout_keep_alive=self.timeout_keep_alive_s,
-                                        limit_concurrency=self.max_connections, server_header=False))
+        server = _Server(HTTPConfig(build_app(state), timeout_header=self.timeout_header_s,
+                                    max_connections=self.max_connections, log_level=level, access_log=level == "debug",
+                                    lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                    timeout_keep_alive=self.timeout_keep_alive_s, server_header=False))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, client, server)
         ready = asyncio.create_task(self._report_ready(client))
@@ -160,6 +172,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a listening socket inherited from the launcher (-1: bind --http-host:--http-port)")
     parser.add_argument("--timeout-keep-alive", type=int, default=TIMEOUT_KEEP_ALIVE_S,
                         help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--timeout-header", type=float, default=TIMEOUT_HEADER_S,
+                        help="seconds a connection may take to send a request head, and between two reads of a body")
     parser.add_argument("--client-curve", action="store_true",
                         help="connect to the frontend's client socket with this process's CURVE keys "
                              "(DELTASERVE_CURVE_KEYS): it is an internal tcp socket")
