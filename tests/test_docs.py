@@ -126,7 +126,7 @@ def test_every_relative_link_resolves_to_a_file_and_heading() -> None:
 
 def test_a_link_to_a_missing_heading_or_file_is_reported() -> None:
     page = DOCS / "configuration.md"
-    assert link_error(page, "http.md#limits") is None
+    assert link_error(page, "http.md#timeouts-and-limits") is None
     assert link_error(page, "#environment-variables") is None
     assert link_error(page, "http.md#no-such-heading") is not None
     assert link_error(page, "no-such-page.md") is not None

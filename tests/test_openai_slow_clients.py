@@ -188,7 +188,7 @@ def test_on_a_keep_alive_connection_the_header_clock_starts_at_the_next_requests
 
 
 def test_a_body_whose_every_pause_is_shorter_than_the_timeout_is_read_whole_and_answered(server: HTTPServer) -> None:
-    pieces = [COMPLETION[i:i + 8] for i in range(0, len(COMPLETION), 8)]
+    pieces = [COMPLETION[i:i + 12] for i in range(0, len(COMPLETION), 12)]
     pause_s = 0.4 * TIMEOUT_HEADER_S
     assert len(pieces) * pause_s > 2 * TIMEOUT_HEADER_S  # the whole body takes longer than the timeout
     with socket.create_connection(address(server)) as sock:

@@ -4,7 +4,8 @@ Every error a client sees is `{"error": {"message", "type", "param", "code"}}`: 
 the engine refuses, 401 for a missing or wrong API key (`guard.py`), 404 for an unknown model or route, 405 for a
 method a route does not take, 413 for a body over the size limit (`guard.py`), 500 for a bug (logged, never sent
 as a traceback), 503 while the engine starts, is overloaded or goes down. A body pydantic refuses is a 400 naming
-the first bad field by its path ("messages[0].content"), what is wrong and the value given.
+the first bad field by its path ("messages[0].content"), what is wrong and the value given. The connection itself
+(`connection.py`) answers 408 for a request too slow to arrive and 503 for a connection beyond the cap.
 """
 
 from __future__ import annotations
