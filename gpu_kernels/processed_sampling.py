@@ -1,0 +1,1164 @@
+"""One fused sampler for every row of a step: plain rows (temperature only) and "processed" rows (top-k, top-p,
+min-p, repetition/frequency/presence penalties, logit bias and bans, a grammar bitmask, logprobs), with no sort
+of the vocabulary and a fixed sequence of launches, so a decode step's CUDA graph can hold it.
+
+Semantics (those of workers/logits_processing.py + workers/sampler.py; `processed_sampling_reference.py` is
+the executable definition). For row r and token i, float32 throughout:
+  1. grammar: a token whose bit is 0 in the row's packed bitmask gets -inf;
+  2. sparse entries: bias added, then bans (-inf), the latter possibly conditional on the last sampled token;
+  3. repetition (seen in prompt or output): x > 0 ? x * (1/rep) : x * rep;
+  4. frequency/presence: x - freq * count - pres * (count > 0);
+  5. temperature: y = x * (1/T) (1 for greedy rows). 1/T and 1/rep are rounded once on the host; this differs
+     from a true division by at most one ulp of y;
+  NaN becomes -inf and +inf the largest float, so NaN never wins and +inf entries tie at the top.
+  6. kept set {y >= tau}, tau = max(tau_k, tau_p, tau_min): tau_k the k-th largest y (ties kept); tau_p the
+     largest value v >= tau_k whose upper set {y >= v} holds at least p of the mass of {y >= tau_k} (the same
+     set as "keep a token iff the mass strictly above it is below p times the mass of the top-k set"; ties kept
+     or dropped together, the top token always kept; p >= 1 is off); tau_min = max(y) + log(min_p). Greedy
+     rows use no filter.
+  7. token: greedy rows take the first argmax of y; the others the first argmax over the kept set of
+     y - log(-log(u_i)) with u_i the Philox4x32-10 uniform gpu_kernels/sampling.py uses for (seed, i), so a
+     plain row gets exactly `sample_candidates`' token (it runs that module's own chunk scan). A row with no
+     finite logit gets token 0.
+  8. logprobs (rows with N >= 0): y_token - logsumexp(kept y), the rank (1 + kept tokens with a strictly larger
+     y), the N most likely kept tokens (ties: lowest id first); slots past the kept set get -inf and the lowest
+     ids not listed before them.
+
+Design. The vocabulary is split into chunks (grid `(rows, chunks)`) of tiles of TILE entries:
+  prepare   rows with sparse entries: their processed logits y go to a float32 scratch row (bias before the
+            penalties, as step 2 requires), which later passes read instead of the logits; then every row
+            that filters or reports logprobs writes per-tile max, min, sum of exp(y - tile max) and finite count.
+  plan      (one program a row) the row's max M, mass Z = sum exp(y - M), finite count, min and tau_min; the
+            initial brackets of its two searches from the sorted tile maxima (the k-th largest tile max has at
+            least k entries at or above it; for top-p the tile maxima whose masses add up to p * Z).
+  pivot x NUM_PASSES   each program reads its row's previous partials, narrows each bracket [lo, hi) to the
+            sub-bracket between two of the PIVOTS pivots where the count (top-k, top-N) or mass (top-p) crosses
+            the target, and evaluates the new pivots, visiting only tiles whose max reaches the bracket.
+            Search A is the threshold (top-k, top-p, or top-k then top-p), search B the top-N of logprobs.
+            A search stops when its bracket holds one distinct value (exact), or few enough entries to collect.
+  collect   the entries of each ready bracket go to a per-row buffer, in index order: slots come from the
+            per-chunk counts of the last pass (no atomics; deterministic).
+  resolve   (one program a row) sorts each buffer (tl.sort of (value, index) keys) and reads the exact
+            threshold, or the top N, off it; tau = max(tau_A, tau_min).
+  sample    Gumbel-max (or argmax) over {y >= tau}, only in tiles whose max reaches tau; the kept mass for
+            logprob rows. Plain rows run gpu_kernels.sampling._chunk_best over the whole chunk.
+  rank      each row's token from the chunk winners (ties: lowest index); for logprob rows the count of kept
+            entries above the token, again only in tiles whose max exceeds it.
+  finish    (one program a row) logprob, rank and the top-N logprobs.
+Rows with nothing to do in a pass leave by a scalar branch, so a plain row costs what sample_candidates costs.
+
+Ties and overflow. Every comparison is on values, so tied tokens are always kept or dropped together. A bracket
+that still holds more than its buffer (CAP_A entries for the threshold, CAP_B - SEG1 for the top-N) after the
+last pass and more than one distinct value is rounded: the threshold keeps the whole bracket (tau = its lower
+end); for top-N the buffer keeps the lowest indices. Both set a bit of `flags` (1: threshold rounded, 2: top-N
+inexact) and add 1 to `ProcessedSamplingWorkspace.overflow_count` (the only atomic, documented tl.atomic_add).
+A top-k followed by top-p whose top-k set is larger than CAP_A has its top-k threshold found exactly first and
+its top-p threshold in the passes left; when the passes run out, the top-p step is dropped (flag 1).
+
+Sources: the Gumbel-max trick (Gumbel 1954; Maddison, Tarlow & Minka 2014); Philox4x32-10 (Salmon et al., SC
+2011); pivot-based thresholds without a sort after FlashInfer's sorting-free top-k/top-p sampling (Ye et al.,
+FlashInfer, 2025). Tensor parallelism is out of scope: rows processed here need the whole vocabulary (the
+engine gathers it for them when TP > 1); plain rows may keep using sample_candidates on each rank's slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_kernels.sampling import _chunk_best, choose_chunk_size
+from gpu_kernels.sampling_inputs import (
+    I_GRAMMAR_ROW,
+    I_SCRATCH_ROW,
+    I_STATE_ROW,
+    NUM_FLOAT_COLUMNS,
+    NUM_INT_COLUMNS,
+    PenaltyBits,
+    ProcessedParams,
+    SparseEntries,
+)
+
+PIVOTS = 8  # per search and pass: the bracket's two ends and six points inside it
+DEFAULT_CAP_A = 1024  # entries of a threshold bracket the resolve step sorts
+SEG1 = 32  # top-N buffer slots for the entries above the top-N bracket (fewer than N <= 20)
+DEFAULT_CAP_B = 128  # top-N buffer: SEG1 slots, then CAP_B - SEG1 for the bracket's entries
+MAX_TOP = 32  # the widest top-N output
+DEFAULT_TILE = 256
+DEFAULT_NUM_PASSES = 4
+_MIN_CHUNK = 2048  # chunks of at least this many entries: fewer partials for each program to read
+_ENTRY_BLOCK = 64
+_STATE_WIDTH = 8
+
+_PV = tl.constexpr(PIVOTS)
+_SEG1 = tl.constexpr(SEG1)
+_SW = tl.constexpr(_STATE_WIDTH)
+_NF = tl.constexpr(NUM_FLOAT_COLUMNS)
+_NI = tl.constexpr(NUM_INT_COLUMNS)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# Search status.
+_NONE = tl.constexpr(0)  # no search: the threshold is -inf
+_SEARCH = tl.constexpr(1)  # the pivots of the state are evaluated in the next pass
+_READY = tl.constexpr(2)  # the bracket [lo, hi) is collected and sorted
+_READY_UPPER = tl.constexpr(3)  # the whole upper set [lo, inf) is collected (top-k then top-p)
+_EXACT = tl.constexpr(4)  # the threshold is `tau`
+_BELOW = tl.constexpr(5)  # the threshold lies below min-p's, which decides
+# Search kinds.
+_COUNT = tl.constexpr(1)
+_MASS = tl.constexpr(2)
+_COUNT_THEN_MASS = tl.constexpr(3)
+# State flags.
+_CLIPPED = tl.constexpr(1)  # lo was raised to tau_min
+_ROUNDED = tl.constexpr(2)
+# Row state columns (float32).
+_R_MAX = tl.constexpr(0)
+_R_MASS = tl.constexpr(1)
+_R_FINITE = tl.constexpr(2)
+_R_MIN = tl.constexpr(3)
+_R_TAU_MIN = tl.constexpr(4)
+_R_TAU = tl.constexpr(5)
+_R_Y_TOKEN = tl.constexpr(6)
+_R_KEPT_MASS = tl.constexpr(7)
+
+
+# ============================================================================ per-row parameters
+@triton.jit
+def _row_params(fparams_ptr, iparams_ptr, row):
+    f = fparams_ptr + row * _NF
+    i = iparams_ptr + row * _NI
+    return (tl.load(f + 0), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3), tl.load(f + 4), tl.load(f + 5),
+            tl.load(f + 6), tl.load(f + 7), tl.load(i + 0), tl.load(i + 1), tl.load(i + 2), tl.load(i + 3),
+            tl.load(i + 4))
+
+
+@triton.jit
+def _row_flags(temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs):
+    """int32 0/1 flags of a row: (sampled, top-k, top-p, min-p, repetition, frequency/presence, grammar,
+    source of y (0 logits * 1/T, 1 logits through the pipeline, 2 scratch), needs tile stats, logprobs, plain)."""
+    sampled = (temperature > 0).to(tl.int32)
+    use_k = sampled & (top_k > 0).to(tl.int32)
+    use_p = sampled & (top_p < 1.0).to(tl.int32)
+    use_minp = sampled & (min_p > 0.0).to(tl.int32)
+    has_state = (state_row >= 0).to(tl.int32)
+    has_rep = has_state & (rep != 1.0).to(tl.int32)
+    has_fp = has_state & ((freq != 0.0) | (pres != 0.0)).to(tl.int32)
+    has_grammar = (grammar_row >= 0).to(tl.int32)
+    from_scratch = (scratch_row >= 0).to(tl.int32)
+    logprobs = (num_logprobs >= 0).to(tl.int32)
+    src = tl.where(from_scratch != 0, 2, tl.where((has_rep | has_fp | has_grammar) != 0, 1, 0))
+    stats = use_k | use_p | use_minp | logprobs
+    plain = tl.where((stats | has_rep | has_fp | has_grammar | from_scratch) != 0, 0, 1)
+    return sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain
+
+
+# ============================================================================ the processed logits y
+@triton.jit
+def _finite(y):
+    """NaN -> -inf (it never wins), +inf -> the largest float (tied at the top)."""
+    y = tl.where(y == y, y, -float("inf"))
+    return tl.minimum(y, _FLT_MAX)
+
+
+@triton.jit
+def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
+              counts_row_ptr, has_fp, freq, pres, inv_t, bias):
+    """Steps 1-5 of the module docstring on logits `x` (float32, any shape) at vocabulary indices `cols`;
+    `bias` is added after the grammar (0 for a dense tile). The bit loads of unused steps are masked off."""
+    # (A vector mask combines with a scalar flag through tl.where: the interpreter mistypes `mask & flag`.)
+    words = cols >> 5
+    bit = cols & 31
+    allowed = (tl.load(grammar_row_ptr + words, mask=tl.where(has_grammar != 0, mask, False), other=-1) >> bit) & 1
+    x = tl.where(allowed != 0, x, -float("inf")) + bias
+    seen = (tl.load(seen_row_ptr + words, mask=tl.where(has_rep != 0, mask, False), other=0) >> bit) & 1
+    x = tl.where(seen != 0, tl.where(x > 0, x * inv_rep, x * rep), x)
+    generated = (tl.load(output_row_ptr + words, mask=tl.where(has_fp != 0, mask, False), other=0) >> bit) & 1
+    count = tl.load(counts_row_ptr + cols, mask=mask & (generated != 0), other=0).to(tl.float32)
+    x = x - freq * count - pres * (count > 0).to(tl.float32)
+    return _finite(x * inv_t)
+
+
+@triton.jit
+def _load_y(src, logits_row_ptr, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
+            rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t):
+    """The processed logits y (float32, -inf where `mask` is off) of one row at `cols`."""
+    if src == 2:
+        y = tl.load(scratch_row_ptr + cols, mask=mask, other=-float("inf"))
+    elif src == 1:
+        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        y = _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
+                      output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, 0.0)
+    else:
+        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        y = _finite(x * inv_t)
+    return y
+
+
+# ============================================================================ ordered keys and pivots
+@triton.jit
+def _order_key(v):
+    """int32 key increasing with the float v (not NaN); -0.0 and +0.0 get the same key."""
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_order_key(k):
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _next_up(v):
+    return _from_order_key(_order_key(v) + 1)
+
+
+@triton.jit
+def _prev_down(v):
+    return _from_order_key(_order_key(v) - 1)
+
+
+@triton.jit
+def _pick(vec, j):
+    """vec[j] of a 1-D float tensor (-inf if j is out of range)."""
+    return tl.max(tl.where(tl.arange(0, vec.shape[0]) == j, vec, -float("inf")), axis=0)
+
+
+@triton.jit
+def _pick_int(vec, j):
+    return tl.sum(tl.where(tl.arange(0, vec.shape[0]) == j, vec, 0), axis=0)
+
+
+@triton.jit
+def _pivots(lo, hi, a, b):
+    """The PIVOTS pivots of bracket [lo, hi) whose entries lie in [a, b], ascending: lo, just above a (splits a
+    off), four evenly inside (a, b), b (splits b off), hi. A bracket of two or more values always shrinks."""
+    j = tl.arange(0, _PV)
+    first = tl.where(a < b, _next_up(a), b)
+    mid = a + (b - a) * ((j - 1).to(tl.float32) * (1.0 / (_PV - 2)))
+    mid = tl.minimum(tl.maximum(mid, first), b)
+    return tl.where(j == 0, lo, tl.where(j == 1, first, tl.where(j == _PV - 2, b, tl.where(j == _PV - 1, hi, mid))))
+
+
+# ============================================================================ search state
+@triton.jit
+def _load_search(f_ptr, i_ptr):
+    return (tl.load(f_ptr + 0), tl.load(f_ptr + 1), tl.load(f_ptr + 2), tl.load(f_ptr + 3), tl.load(f_ptr + 4),
+            tl.load(f_ptr + 5), tl.load(f_ptr + 6), tl.load(f_ptr + 7), tl.load(i_ptr + 0), tl.load(i_ptr + 1),
+            tl.load(i_ptr + 2), tl.load(i_ptr + 3), tl.load(i_ptr + 4), tl.load(i_ptr + 5), tl.load(i_ptr + 6))
+
+
+@triton.jit
+def _store_search(f_ptr, i_ptr, lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_slot, c_lo,
+                  c_hi, flags):
+    """A search: bracket [lo, hi) with entries in [a, b]; target count or mass; tau when exact; the mass and
+    count at lo and hi; status and kind; the pass and pivot slot whose per-chunk partials hold lo (hi is the
+    next slot); flags (_CLIPPED, _ROUNDED)."""
+    tl.store(f_ptr + 0, lo)
+    tl.store(f_ptr + 1, hi)
+    tl.store(f_ptr + 2, a)
+    tl.store(f_ptr + 3, b)
+    tl.store(f_ptr + 4, target)
+    tl.store(f_ptr + 5, tau)
+    tl.store(f_ptr + 6, g_lo)
+    tl.store(f_ptr + 7, g_hi)
+    tl.store(i_ptr + 0, status)
+    tl.store(i_ptr + 1, kind)
+    tl.store(i_ptr + 2, ref_pass)
+    tl.store(i_ptr + 3, ref_slot)
+    tl.store(i_ptr + 4, c_lo)
+    tl.store(i_ptr + 5, c_hi)
+    tl.store(i_ptr + 6, flags)
+
+
+@triton.jit
+def _pass_sums(cnt_ptr, mass_ptr, ext_ptr, s, num_chunks, CH: tl.constexpr):
+    """Search s's counts [PIVOTS], masses [PIVOTS], bracket min and max over a row's chunks of one pass."""
+    c = tl.arange(0, CH)
+    j = tl.arange(0, _PV)
+    cm = c < num_chunks
+    offs = c[:, None] * (2 * _PV) + s * _PV + j[None, :]
+    cnt = tl.sum(tl.load(cnt_ptr + offs, mask=cm[:, None], other=0), axis=0)
+    mass = tl.sum(tl.load(mass_ptr + offs, mask=cm[:, None], other=0.0), axis=0)
+    bmin = tl.min(tl.load(ext_ptr + c * 4 + s * 2, mask=cm, other=float("inf")), axis=0)
+    bmax = tl.max(tl.load(ext_ptr + c * 4 + s * 2 + 1, mask=cm, other=-float("inf")), axis=0)
+    return cnt, mass, bmin, bmax
+
+
+@triton.jit
+def _advance(lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_slot, c_lo, c_hi, flags,
+             cnt, mass, bmin, bmax, pass_index, row_max, top_p, cap, cap_upper):
+    """One step of a search from the partials of the pass that evaluated its pivots (scalar logic, the same in
+    every program of the row). Returns the new state (see _store_search)."""
+    j = tl.arange(0, _PV)
+    t = _pivots(lo, hi, a, b)
+    value = tl.where(kind == _MASS, mass, cnt.to(tl.float32))
+    top = tl.max(tl.where(value >= target, j, -1), axis=0)  # value is non-increasing in j
+    below = top < 0
+    top = tl.minimum(tl.maximum(top, 0), _PV - 2)
+    new_lo = _pick(t, top)
+    new_hi = _pick(t, top + 1)
+    n_lo = _pick_int(cnt, top)
+    n_hi = _pick_int(cnt, top + 1)
+    m_lo = _pick(mass, top)
+    m_hi = _pick(mass, top + 1)
+    a2 = tl.maximum(new_lo, bmin)
+    b2 = tl.minimum(_prev_down(new_hi), bmax)
+    single = a2 >= b2  # the new bracket holds one distinct value, a2
+    nested = kind == _COUNT_THEN_MASS
+    upper = nested & (n_lo <= cap_upper)
+    fits = (n_lo - n_hi) <= cap
+    start_mass = nested & single & (upper == 0)  # top-k exact (tau_k = a2): the top-p search starts above it
+    mass_target = top_p * m_lo
+    mass_done = start_mass & ((mass_target <= 0.0) | (a2 >= row_max))  # top-p keeps the top value only
+    clipped = (flags & _CLIPPED) != 0
+    st = tl.where(below, tl.where(clipped, _BELOW, _EXACT),
+                  tl.where(upper, _READY_UPPER,
+                           tl.where(mass_done, _EXACT,
+                                    tl.where(start_mass, _SEARCH,
+                                             tl.where(single, _EXACT, tl.where(fits & (nested == 0), _READY,
+                                                                                  _SEARCH))))))
+    new_tau = tl.where(below, lo, tl.where(mass_done, row_max, a2))
+    new_flags = tl.where(below & (clipped == 0), flags | _ROUNDED, flags)
+    out_lo = tl.where(start_mass, a2, new_lo)
+    out_hi = tl.where(start_mass, _next_up(row_max), new_hi)
+    out_a = a2
+    out_b = tl.where(start_mass, row_max, b2)
+    out_kind = tl.where(start_mass, _MASS, kind)
+    out_target = tl.where(start_mass, mass_target, target)
+    out_ref = tl.where(start_mass, -1, pass_index)
+    active = status == _SEARCH
+    return (tl.where(active, out_lo, lo), tl.where(active, out_hi, hi), tl.where(active, out_a, a),
+            tl.where(active, out_b, b), tl.where(active, out_target, target), tl.where(active, new_tau, tau),
+            tl.where(active, m_lo, g_lo), tl.where(active, m_hi, g_hi), tl.where(active, st, status),
+            tl.where(active, out_kind, kind), tl.where(active, out_ref, ref_pass), tl.where(active, top, ref_slot),
+            tl.where(active, n_lo, c_lo), tl.where(active, n_hi, c_hi), tl.where(active, new_flags, flags))
+
+
+# ============================================================================ kernels, in launch order
+@triton.jit
+def _prepare_kernel(
+    logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+    offsets_ptr, entry_tokens_ptr, entry_bias_ptr, entry_ban_ptr, last_ptr, has_last,
+    tile_max_ptr, tile_min_ptr, tile_sum_ptr, tile_cnt_ptr, vocab_size, num_words, num_tiles,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, TPB: tl.constexpr, EB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    logits_row = logits_ptr + row * stride_row
+    scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+    grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+    srow = tl.maximum(state_row, 0).to(tl.int64)
+    seen_row_ptr = seen_ptr + srow * num_words
+    output_row_ptr = output_ptr + srow * num_words
+    counts_row_ptr = counts_ptr + srow * vocab_size
+    chunk_lo = chunk * CHUNK
+    if src == 2:
+        # The dense pipeline without the sparse entries, then those entries' tokens again from their raw
+        # logits with the bias added where step 2 puts it, then the bans. Barriers order the three writers.
+        for start in range(0, CHUNK, TILE * TPB):
+            cols = chunk_lo + start + tl.arange(0, TILE * TPB)
+            mask = cols < vocab_size
+            x = tl.load(logits_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            y = _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
+                          output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, 0.0)
+            tl.store(scratch_row_ptr + cols, y, mask=mask)
+        tl.debug_barrier()
+        e0 = tl.load(offsets_ptr + row)
+        e1 = tl.load(offsets_ptr + row + 1)
+        for e in range(e0, e1, EB):
+            idx = e + tl.arange(0, EB)
+            em = idx < e1
+            tok = tl.load(entry_tokens_ptr + idx, mask=em, other=0)
+            mine = em & (tok >= chunk_lo) & (tok < chunk_lo + CHUNK) & (tok < vocab_size) & (tok >= 0)
+            bias = tl.load(entry_bias_ptr + idx, mask=em, other=0.0)
+            x = tl.load(logits_row + tok, mask=mine, other=-float("inf")).to(tl.float32)
+            y = _pipeline(x, tok, mine, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
+                          output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, bias)
+            tl.store(scratch_row_ptr + tok, y, mask=mine)
+        tl.debug_barrier()
+        last = tl.load(last_ptr + srow, mask=(has_last != 0) & (state_row >= 0), other=-3)
+        for e in range(e0, e1, EB):
+            idx = e + tl.arange(0, EB)
+            em = idx < e1
+            tok = tl.load(entry_tokens_ptr + idx, mask=em, other=0)
+            mine = em & (tok >= chunk_lo) & (tok < chunk_lo + CHUNK) & (tok < vocab_size) & (tok >= 0)
+            after = tl.load(entry_ban_ptr + idx, mask=em, other=-2)
+            banned = (after == -1) | ((after >= 0) & (after == last))
+            tl.store(scratch_row_ptr + tok, tl.full([EB], -float("inf"), tl.float32), mask=mine & banned)
+        tl.debug_barrier()
+    if stats != 0:
+        for start in range(0, CHUNK, TILE * TPB):
+            tiles = (chunk_lo + start) // TILE + tl.arange(0, TPB)
+            cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+            mask = cols < vocab_size
+            y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr,
+                        has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t)
+            finite = y > -float("inf")
+            tmax = tl.max(y, axis=1)
+            tmin = tl.min(tl.where(finite, y, float("inf")), axis=1)
+            tcnt = tl.sum(finite.to(tl.int32), axis=1)
+            tsum = tl.sum(tl.where(finite, tl.exp(y - tmax[:, None]), 0.0), axis=1)
+            tm = tiles < num_tiles
+            offs = row * num_tiles + tiles
+            tl.store(tile_max_ptr + offs, tmax, mask=tm)
+            tl.store(tile_min_ptr + offs, tmin, mask=tm)
+            tl.store(tile_sum_ptr + offs, tsum, mask=tm)
+            tl.store(tile_cnt_ptr + offs, tcnt, mask=tm)
+
+
+@triton.jit
+def _plan_kernel(
+    fparams_ptr, iparams_ptr, tile_max_ptr, tile_min_ptr, tile_sum_ptr, tile_cnt_ptr, state_f_ptr, state_i_ptr,
+    row_ptr, num_rows, num_tiles, NT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    if stats != 0:
+        tiles = tl.arange(0, NT)
+        tm = tiles < num_tiles
+        offs = row * num_tiles + tiles
+        tmax = tl.load(tile_max_ptr + offs, mask=tm, other=-float("inf"))
+        tmin = tl.load(tile_min_ptr + offs, mask=tm, other=float("inf"))
+        tsum = tl.load(tile_sum_ptr + offs, mask=tm, other=0.0)
+        tcnt = tl.load(tile_cnt_ptr + offs, mask=tm, other=0)
+        row_max = tl.max(tmax, axis=0)
+        finite = tl.sum(tcnt, axis=0)
+        row_min = tl.min(tmin, axis=0)
+        nonempty = tcnt > 0
+        mass = tl.sum(tl.where(nonempty, tsum * tl.exp(tmax - row_max), 0.0), axis=0)
+        any_finite = finite > 0
+        log_min_p = tl.log(tl.where(use_minp != 0, min_p, 1.0).to(tl.float64))
+        tau_min = tl.where((use_minp != 0) & any_finite, (row_max.to(tl.float64) + log_min_p).to(tl.float32),
+                           -float("inf"))
+        desc = tl.sort(tmax, descending=True)
+        # Search A: the threshold.
+        k_on = (use_k != 0) & (top_k < finite)
+        p_on = use_p != 0
+        kind_a = tl.where(k_on & p_on, _COUNT_THEN_MASS, tl.where(k_on, _COUNT, tl.where(p_on, _MASS, 0)))
+        target_a = tl.where(k_on, top_k.to(tl.float32), top_p * mass)
+        kth = _pick(desc, top_k - 1)  # >= top_k entries lie at or above the k-th largest tile max
+        lo_count = tl.where(kth > -float("inf"), kth, row_min)
+        tile_mass = tl.cumsum(tl.where(desc > -float("inf"), tl.exp(desc - row_max), 0.0), axis=0)
+        first = tl.min(tl.where(tile_mass >= target_a * 1.0001, tiles, NT), axis=0)  # margin for rounding
+        lo_mass = tl.where(first < NT, _pick(desc, first), row_min)
+        lo_a = tl.where(kind_a == _MASS, lo_mass, lo_count)
+        clip = (kind_a != _COUNT_THEN_MASS) & (tau_min > lo_a)
+        lo_a = tl.where(clip, tau_min, lo_a)
+        exact_a = (lo_a >= row_max) | ((kind_a == _MASS) & (target_a <= 0.0))
+        status_a = tl.where((kind_a == 0) | (any_finite == 0), _NONE, tl.where(exact_a, _EXACT, _SEARCH))
+        hi = _next_up(row_max)
+        fa = state_f_ptr + (num_rows + row) * (2 * _SW)  # state of pass 1
+        ia = state_i_ptr + (num_rows + row) * (2 * _SW)
+        _store_search(fa, ia, lo_a, hi, lo_a, row_max, target_a, row_max, 0.0, 0.0, status_a, kind_a, 0, 0, 0, 0,
+                      tl.where(clip, _CLIPPED, 0))
+        # Search B: the top-N entries (never exact before a pass: the collect needs its per-chunk counts).
+        target_b = tl.minimum(num_logprobs, finite)
+        kth_b = _pick(desc, target_b - 1)
+        lo_b = tl.where(kth_b > -float("inf"), kth_b, row_min)
+        status_b = tl.where((logprobs != 0) & (target_b > 0), _SEARCH, _NONE)
+        _store_search(fa + _SW, ia + _SW, lo_b, hi, lo_b, row_max, target_b.to(tl.float32), row_max, 0.0, 0.0,
+                      status_b, _COUNT, 0, 0, 0, 0, 0)
+        r = row_ptr + row * _SW
+        tl.store(r + _R_MAX, row_max)
+        tl.store(r + _R_MASS, mass)
+        tl.store(r + _R_FINITE, finite.to(tl.float32))
+        tl.store(r + _R_MIN, row_min)
+        tl.store(r + _R_TAU_MIN, tau_min)
+    else:
+        tl.store(row_ptr + row * _SW + _R_TAU, -float("inf"))  # the resolve step sets it for the other rows
+
+
+@triton.jit
+def _pivot_kernel(
+    logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+    tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
+    pass_index, num_rows, num_chunks, vocab_size, num_words, num_tiles,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    if stats != 0:
+        row_max = tl.load(row_ptr + row * _SW + _R_MAX)
+        prev = (pass_index - 1) * num_rows + row
+        here = pass_index * num_rows + row
+        start = tl.where(pass_index > 1, prev, here)  # pass 1 evaluates the plan's state
+        fa = state_f_ptr + start * (2 * _SW)
+        ia = state_i_ptr + start * (2 * _SW)
+        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fa, ia)
+        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
+            fa + _SW, ia + _SW)
+        if pass_index > 1:
+            pbase = prev * num_chunks * (2 * _PV)
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4,
+                                               0, num_chunks, CH)
+            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
+                lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
+                cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_A, CAP_A)
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4,
+                                               1, num_chunks, CH)
+            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
+                lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
+                cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_B - _SEG1, 0)
+            if chunk == 0:
+                fh = state_f_ptr + here * (2 * _SW)
+                ih = state_i_ptr + here * (2 * _SW)
+                _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a,
+                              ch_a, fl_a)
+                _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b,
+                              rs_b, cl_b, ch_b, fl_b)
+        on_a = st_a == _SEARCH
+        on_b = st_b == _SEARCH
+        if on_a | on_b:
+            logits_row = logits_ptr + row * stride_row
+            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+            srow = tl.maximum(state_row, 0).to(tl.int64)
+            piv_a = tl.where(on_a, _pivots(lo_a, hi_a, a_a, b_a), float("inf"))
+            piv_b = tl.where(on_b, _pivots(lo_b, hi_b, a_b, b_b), float("inf"))
+            lo_a = tl.where(on_a, lo_a, float("inf"))
+            lo_b = tl.where(on_b, lo_b, float("inf"))
+            need = tl.minimum(lo_a, lo_b)
+            with_mass = on_a & (kd_a != _COUNT)
+            acc_ca = tl.zeros([_PV, TILE], tl.int32)
+            acc_ma = tl.zeros([_PV, TILE], tl.float32)
+            acc_cb = tl.zeros([_PV, TILE], tl.int32)
+            mn_a = tl.full([TILE], float("inf"), tl.float32)
+            mx_a = tl.full([TILE], -float("inf"), tl.float32)
+            mn_b = tl.full([TILE], float("inf"), tl.float32)
+            mx_b = tl.full([TILE], -float("inf"), tl.float32)
+            for t in range(0, CHUNK // TILE):
+                tile = chunk * (CHUNK // TILE) + t
+                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                   other=-float("inf"))
+                if tile_max >= need:
+                    cols = tile * TILE + tl.arange(0, TILE)
+                    mask = cols < vocab_size
+                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
+                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
+                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                    ge_a = y[None, :] >= piv_a[:, None]
+                    acc_ca += ge_a.to(tl.int32)
+                    if with_mass:
+                        acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
+                    acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
+                    in_a = (y >= lo_a) & (y < hi_a)
+                    mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
+                    mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
+                    in_b = (y >= lo_b) & (y < hi_b)
+                    mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
+                    mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
+            j = tl.arange(0, _PV)
+            out = (here * num_chunks + chunk) * (2 * _PV)
+            tl.store(cnt_ptr + out + j, tl.sum(acc_ca, axis=1))
+            tl.store(mass_ptr + out + j, tl.sum(acc_ma, axis=1))
+            tl.store(cnt_ptr + out + _PV + j, tl.sum(acc_cb, axis=1))
+            tl.store(mass_ptr + out + _PV + j, tl.zeros([_PV], tl.float32))
+            e = ext_ptr + (here * num_chunks + chunk) * 4
+            tl.store(e + 0, tl.min(mn_a, axis=0))
+            tl.store(e + 1, tl.max(mx_a, axis=0))
+            tl.store(e + 2, tl.min(mn_b, axis=0))
+            tl.store(e + 3, tl.max(mx_b, axis=0))
+
+
+@triton.jit
+def _chunk_base(cnt_ptr, num_chunks, chunk, slot, s, CH: tl.constexpr):
+    """(entries of search s at or above pivot `slot`, and at or above `slot + 1`) in the chunks before `chunk`
+    and in `chunk` itself, from one pass's per-chunk counts."""
+    c = tl.arange(0, CH)
+    cm = c < num_chunks
+    n_lo = tl.load(cnt_ptr + c * (2 * _PV) + s * _PV + slot, mask=cm, other=0)
+    n_hi = tl.load(cnt_ptr + c * (2 * _PV) + s * _PV + slot + 1, mask=cm, other=0)
+    before = c < chunk
+    return tl.sum(tl.where(before, n_lo, 0), axis=0), tl.sum(tl.where(before, n_hi, 0), axis=0)
+
+
+@triton.jit
+def _collect_kernel(
+    logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+    tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
+    val_a_ptr, id_a_ptr, val_b_ptr, id_b_ptr, last_pass, num_rows, num_chunks, vocab_size, num_words, num_tiles,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    if stats != 0:
+        row_max = tl.load(row_ptr + row * _SW + _R_MAX)
+        prev = last_pass * num_rows + row
+        fa = state_f_ptr + prev * (2 * _SW)
+        ia = state_i_ptr + prev * (2 * _SW)
+        pbase = prev * num_chunks * (2 * _PV)
+        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fa, ia)
+        cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 0,
+                                           num_chunks, CH)
+        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
+            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
+            cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_A, CAP_A)
+        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
+            fa + _SW, ia + _SW)
+        cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 1,
+                                           num_chunks, CH)
+        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
+            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
+            cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_B - _SEG1, 0)
+        if chunk == 0:
+            here = (last_pass + 1) * num_rows + row
+            fh = state_f_ptr + here * (2 * _SW)
+            ih = state_i_ptr + here * (2 * _SW)
+            _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a,
+                          fl_a)
+            _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b,
+                          cl_b, ch_b, fl_b)
+        # Search A: a ready bracket (never more than CAP_A entries). Search B: any state with a valid pass
+        # (an exhausted one is truncated to the lowest indices).
+        take_a = (st_a == _READY) | (st_a == _READY_UPPER)
+        take_b = (st_b != _NONE) & (rp_b >= 1)
+        if take_a | take_b:
+            upper_a = st_a == _READY_UPPER
+            per_pass = num_chunks * (2 * _PV)
+            a_lo_before, a_hi_before = _chunk_base(cnt_ptr + (tl.maximum(rp_a, 1) * num_rows + row) * per_pass,
+                                                   num_chunks, chunk, rs_a, 0, CH)
+            slot_a = tl.where(upper_a, a_lo_before, a_lo_before - a_hi_before)
+            b_lo_before, b_hi_before = _chunk_base(cnt_ptr + (tl.maximum(rp_b, 1) * num_rows + row) * per_pass,
+                                                   num_chunks, chunk, rs_b, 1, CH)
+            slot_b1 = b_hi_before
+            slot_b2 = _SEG1 + b_lo_before - b_hi_before
+            lo_a = tl.where(take_a, lo_a, float("inf"))
+            hi_a = tl.where(upper_a, float("inf"), hi_a)
+            lo_b = tl.where(take_b, lo_b, float("inf"))
+            hi_b = tl.where(take_b, hi_b, float("inf"))
+            need = tl.minimum(lo_a, lo_b)
+            logits_row = logits_ptr + row * stride_row
+            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+            srow = tl.maximum(state_row, 0).to(tl.int64)
+            for t in range(0, CHUNK // TILE):
+                tile = chunk * (CHUNK // TILE) + t
+                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                   other=-float("inf"))
+                if tile_max >= need:
+                    cols = tile * TILE + tl.arange(0, TILE)
+                    mask = cols < vocab_size
+                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
+                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
+                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                    in_a = (y >= lo_a) & (y < hi_a)
+                    pos = slot_a + tl.cumsum(in_a.to(tl.int32), axis=0) - 1
+                    keep = in_a & (pos < CAP_A)
+                    tl.store(val_a_ptr + row * CAP_A + pos, y, mask=keep)
+                    tl.store(id_a_ptr + row * CAP_A + pos, cols, mask=keep)
+                    slot_a += tl.sum(in_a.to(tl.int32), axis=0)
+                    above_b = y >= hi_b
+                    pos = slot_b1 + tl.cumsum(above_b.to(tl.int32), axis=0) - 1
+                    keep = above_b & (pos < _SEG1)
+                    tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
+                    tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
+                    slot_b1 += tl.sum(above_b.to(tl.int32), axis=0)
+                    in_b = (y >= lo_b) & (y < hi_b)
+                    pos = slot_b2 + tl.cumsum(in_b.to(tl.int32), axis=0) - 1
+                    keep = in_b & (pos < CAP_B)
+                    tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
+                    tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
+                    slot_b2 += tl.sum(in_b.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _sorted_entries(val_ptr, id_ptr, valid, SIZE: tl.constexpr):
+    """The valid slots of a buffer sorted by value descending, then index ascending: (values, ids, is_valid),
+    invalid slots last (value -inf)."""
+    v = tl.load(val_ptr + tl.arange(0, SIZE), mask=valid, other=0.0)
+    ids = tl.load(id_ptr + tl.arange(0, SIZE), mask=valid, other=0)
+    high = ~_order_key(v)
+    key = tl.where(valid, (high.to(tl.int64) << 32) | ids.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+    key = tl.sort(key)
+    ok = key != 0x7FFFFFFFFFFFFFFF
+    values = tl.where(ok, _from_order_key(~((key >> 32).to(tl.int32))), -float("inf"))
+    return values, (key & 0x7FFFFFFF).to(tl.int32), ok
+
+
+@triton.jit
+def _resolve_kernel(
+    fparams_ptr, iparams_ptr, state_f_ptr, state_i_ptr, row_ptr, val_a_ptr, id_a_ptr, val_b_ptr, id_b_ptr,
+    top_v_ptr, top_id_ptr, flags_ptr, final_pass, num_rows, NB: tl.constexpr, CAP_A: tl.constexpr,
+    CAP_B: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    if stats != 0:
+        r = row_ptr + row * _SW
+        row_max = tl.load(r + _R_MAX)
+        tau_min = tl.load(r + _R_TAU_MIN)
+        fa = state_f_ptr + (final_pass * num_rows + row) * (2 * _SW)
+        ia = state_i_ptr + (final_pass * num_rows + row) * (2 * _SW)
+        lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_slot, c_lo, c_hi, sflags = _load_search(
+            fa, ia)
+        tau_a = tl.where(status == _EXACT, tau, tl.where(status == _SEARCH, lo, -float("inf")))
+        # The passes ran out (keep the whole bracket) or a bracket lost its lower end to rounding.
+        flags = tl.where((status == _SEARCH) | ((sflags & _ROUNDED) != 0), 1, 0)
+        if (status == _READY) | (status == _READY_UPPER):
+            upper = status == _READY_UPPER
+            slots = tl.arange(0, CAP_A)
+            n = tl.where(upper, c_lo, c_lo - c_hi)
+            values, ids, ok = _sorted_entries(val_a_ptr + row * CAP_A, id_a_ptr + row * CAP_A, slots < n, CAP_A)
+            w = tl.where(ok, tl.exp(values - row_max), 0.0)
+            mass_before = tl.cumsum(w, axis=0)
+            if upper:  # top-k then top-p, both from the sorted upper set
+                tau_k = _pick(values, top_k - 1)
+                in_k = ok & (values >= tau_k)
+                g_k = tl.sum(tl.where(in_k, w, 0.0), axis=0)
+                last_k = tl.sum(in_k.to(tl.int32), axis=0) - 1
+                found = tl.min(tl.where((mass_before >= top_p * g_k) & ok, slots, CAP_A), axis=0)
+                tau_a = _pick(values, tl.minimum(found, last_k))
+            elif kind == _MASS:
+                found = tl.min(tl.where(((g_hi + mass_before) >= target) & ok, slots, CAP_A), axis=0)
+                tau_a = tl.where(found < CAP_A, _pick(values, found), lo)
+                flags = tl.where(found < CAP_A, flags, 1)
+            else:
+                tau_a = _pick(values, target.to(tl.int32) - c_hi - 1)
+        tau_row = tl.maximum(tau_a, tau_min)
+        tl.store(r + _R_TAU, tau_row)
+        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
+            fa + _SW, ia + _SW)
+        s = tl.arange(0, NB)
+        top_v = tl.full([NB], -float("inf"), tl.float32)
+        top_id = tl.full([NB], -1, tl.int32)
+        if st_b != _NONE:
+            slots = tl.arange(0, CAP_B)
+            n2 = tl.minimum(cl_b - ch_b, CAP_B - _SEG1)
+            valid = (slots < ch_b) | ((slots >= _SEG1) & (slots < _SEG1 + n2))
+            values, ids, ok = _sorted_entries(val_b_ptr + row * CAP_B, id_b_ptr + row * CAP_B, valid, CAP_B)
+            flags = tl.where(st_b == _SEARCH, flags | 2, flags)
+            v = _first(values, NB)
+            kept = (s < num_logprobs) & (s < tg_b.to(tl.int32)) & (v >= tau_row) & (v > -float("inf"))
+            top_v = tl.where(kept, v, -float("inf"))
+            top_id = tl.where(kept, _first_int(ids, NB), -1)
+        tl.store(top_v_ptr + row * NB + s, top_v)
+        tl.store(top_id_ptr + row * NB + s, top_id)
+        tl.store(flags_ptr + row, flags)
+    else:
+        tl.store(flags_ptr + row, 0)
+
+
+@triton.jit
+def _first(values, NB: tl.constexpr):
+    """values[:NB] of a longer 1-D float tensor."""
+    s = tl.arange(0, NB)
+    k = tl.arange(0, values.shape[0])
+    return tl.max(tl.where(k[None, :] == s[:, None], values[None, :], -float("inf")), axis=1)
+
+
+@triton.jit
+def _first_int(values, NB: tl.constexpr):
+    s = tl.arange(0, NB)
+    k = tl.arange(0, values.shape[0])
+    return tl.sum(tl.where(k[None, :] == s[:, None], values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_row, fparams_ptr, iparams_ptr, seeds_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr,
+    counts_ptr, tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr,
+    num_chunks, vocab_size, num_words, num_tiles,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    logits_row = logits_ptr + row * stride_row
+    out = row * num_chunks + chunk
+    if plain != 0:
+        # Exactly gpu_kernels/sampling.py's stage one (the same function, arguments and noise).
+        if temperature == 0.0:
+            top, index = _chunk_best(logits_row, 0, 1.0, vocab_size, 0, chunk * CHUNK, CHUNK, BLOCK_V, 0, False)
+        else:
+            seed = tl.load(seeds_ptr + row)
+            top, index = _chunk_best(logits_row, seed, 1.0 / temperature, vocab_size, 0, chunk * CHUNK, CHUNK,
+                                     BLOCK_V, 0, True)
+        tl.store(best_score_ptr + out, top)
+        tl.store(best_index_ptr + out, index)
+        tl.store(best_y_ptr + out, -float("inf"))
+        tl.store(kept_mass_ptr + out, 0.0)
+    else:
+        tau = tl.load(row_ptr + row * _SW + _R_TAU, mask=stats != 0, other=-float("inf"))
+        row_max = tl.load(row_ptr + row * _SW + _R_MAX, mask=stats != 0, other=0.0)
+        seed = tl.load(seeds_ptr + row)
+        scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+        grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+        srow = tl.maximum(state_row, 0).to(tl.int64)
+        quads = tl.arange(0, TILE // 4)
+        words = tl.arange(0, 4)
+        best_score = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+        best_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
+        best_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+        kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
+        for t in range(0, CHUNK // TILE):
+            tile = chunk * (CHUNK // TILE) + t
+            go = tile < num_tiles
+            if stats != 0:
+                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=go, other=-float("inf"))
+                go = go & (tile_max > -float("inf")) & (tile_max >= tau)
+            if go:
+                base = tile * TILE
+                cols = base + 4 * quads[:, None] + words[None, :]
+                mask = cols < vocab_size
+                y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
+                            seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
+                            counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                kept = mask & (y > -float("inf")) & (y >= tau)
+                if sampled != 0:
+                    r0, r1, r2, r3 = tl.randint4x(seed, base // 4 + quads)
+                    bits = tl.where(words[None, :] == 0, r0[:, None],
+                                    tl.where(words[None, :] == 1, r1[:, None],
+                                             tl.where(words[None, :] == 2, r2[:, None], r3[:, None])))
+                    u = tl.uint_to_uniform_float(bits)
+                    score = y - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+                else:
+                    score = y
+                better = kept & (score > best_score)  # strictly: the first index wins a tie
+                best_index = tl.where(better, cols, best_index)
+                best_score = tl.where(better, score, best_score)
+                best_y = tl.where(better, y, best_y)
+                if logprobs != 0:
+                    kept_mass += tl.where(kept, tl.exp(y - row_max), 0.0)
+        top = tl.max(tl.max(best_score, axis=1), axis=0)
+        index = tl.min(tl.min(tl.where(best_score == top, best_index, vocab_size), axis=1), axis=0)
+        y_index = tl.max(tl.max(tl.where(best_index == index, best_y, -float("inf")), axis=1), axis=0)
+        tl.store(best_score_ptr + out, top)
+        tl.store(best_index_ptr + out, index)
+        tl.store(best_y_ptr + out, y_index)
+        tl.store(kept_mass_ptr + out, tl.sum(tl.sum(kept_mass, axis=1), axis=0))
+
+
+@triton.jit
+def _rank_kernel(
+    logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+    tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr, rank_ptr, tokens_ptr,
+    num_chunks, vocab_size, num_words, num_tiles,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
+     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
+    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
+        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+    c = tl.arange(0, CH)
+    cm = c < num_chunks
+    scores = tl.load(best_score_ptr + row * num_chunks + c, mask=cm, other=-float("inf"))
+    indices = tl.load(best_index_ptr + row * num_chunks + c, mask=cm, other=vocab_size)
+    top = tl.max(scores, axis=0)
+    # Chunk c holds lower indices than chunk c + 1: the lowest index among the best is the row's first best.
+    index = tl.min(tl.where(scores == top, indices, vocab_size), axis=0)
+    if chunk == 0:
+        tl.store(tokens_ptr + row, tl.where(index < vocab_size, index, 0).to(tl.int64))
+    if logprobs != 0:
+        y_token = tl.max(tl.load(best_y_ptr + row * num_chunks + c, mask=cm & (indices == index),
+                                 other=-float("inf")), axis=0)
+        if chunk == 0:
+            tl.store(row_ptr + row * _SW + _R_Y_TOKEN, y_token)
+            tl.store(row_ptr + row * _SW + _R_KEPT_MASS,
+                     tl.sum(tl.load(kept_mass_ptr + row * num_chunks + c, mask=cm, other=0.0), axis=0))
+        above = tl.zeros([TILE], tl.int32)
+        if index < vocab_size:
+            logits_row = logits_ptr + row * stride_row
+            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+            srow = tl.maximum(state_row, 0).to(tl.int64)
+            for t in range(0, CHUNK // TILE):
+                tile = chunk * (CHUNK // TILE) + t
+                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                   other=-float("inf"))
+                if tile_max > y_token:  # the token is kept, so every entry above it is kept too
+                    cols = tile * TILE + tl.arange(0, TILE)
+                    mask = cols < vocab_size
+                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
+                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
+                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                    above += (y > y_token).to(tl.int32)
+        tl.store(rank_ptr + row * num_chunks + chunk, tl.sum(above, axis=0))
+
+
+@triton.jit
+def _finish_kernel(
+    iparams_ptr, row_ptr, rank_ptr, top_v_ptr, top_id_ptr, flags_ptr, overflow_ptr,
+    logprob_ptr, rank_out_ptr, top_logprob_ptr, top_ids_ptr, threshold_ptr, flags_out_ptr, num_chunks, num_top,
+    CH: tl.constexpr, NB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    num_logprobs = tl.load(iparams_ptr + row * _NI + 4)
+    asks = num_logprobs >= 0
+    r = row_ptr + row * _SW
+    y_token = tl.load(r + _R_Y_TOKEN, mask=asks, other=-float("inf"))
+    lse = tl.load(r + _R_MAX, mask=asks, other=0.0) + tl.log(tl.load(r + _R_KEPT_MASS, mask=asks, other=1.0))
+    logprob = tl.where(asks, tl.where(y_token > -float("inf"), y_token - lse, -float("inf")), 0.0)
+    c = tl.arange(0, CH)
+    above = tl.load(rank_ptr + row * num_chunks + c, mask=tl.where(asks, c < num_chunks, False), other=0)
+    above = tl.sum(above, axis=0)
+    rank = tl.where(asks, 1 + above, 0)
+    s = tl.arange(0, NB)
+    listed = asks & (num_logprobs > 0)
+    listed_mask = tl.where(listed, s < NB, False)
+    listed_id = tl.load(top_id_ptr + row * NB + s, mask=listed_mask, other=-1)
+    listed_v = tl.load(top_v_ptr + row * NB + s, mask=listed_mask, other=-float("inf")) - lse
+    # Slots past the kept entries (a prefix): -inf and the lowest ids not listed before them.
+    used = listed_id >= 0
+    cand = tl.arange(0, 2 * NB)
+    free = tl.sum((listed_id[None, :] == cand[:, None]).to(tl.int32), axis=1) == 0
+    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    want = s - tl.sum(used.to(tl.int32), axis=0)
+    fill = tl.sum(tl.where((free_rank[None, :] == want[:, None]) & free[None, :], cand[None, :], 0), axis=1)
+    tl.store(logprob_ptr + row, logprob)
+    tl.store(rank_out_ptr + row, rank.to(tl.int64))
+    tl.store(top_logprob_ptr + row * num_top + s, tl.where(used, listed_v, -float("inf")), mask=s < num_top)
+    tl.store(top_ids_ptr + row * num_top + s, tl.where(used, listed_id, fill).to(tl.int64), mask=s < num_top)
+    tl.store(threshold_ptr + row, tl.load(r + _R_TAU))
+    flags = tl.load(flags_ptr + row)
+    tl.store(flags_out_ptr + row, flags)
+    if flags != 0:
+        tl.atomic_add(overflow_ptr, 1)
+
+
+# ============================================================================ host side
+@dataclass
+class ProcessedSample:
+    """What `processed_sample` returns for n rows (every tensor on the logits' device)."""
+
+    tokens: torch.Tensor  # [n] int64
+    logprobs: torch.Tensor  # [n] float32: the token's logprob over the kept set; 0 for rows that did not ask
+    ranks: torch.Tensor  # [n] int64: 1 + kept tokens strictly more likely; 0 for rows that did not ask
+    top_logprobs: torch.Tensor  # [n, num_top] float32, most likely first; -inf past the kept set or the row's N
+    top_ids: torch.Tensor  # [n, num_top] int64
+    thresholds: torch.Tensor  # [n] float32: tau, the row keeps {y >= tau} (-inf: every finite token)
+    flags: torch.Tensor  # [n] int32: 1 threshold rounded (bracket kept whole), 2 top-N inexact; 0 normally
+
+
+class ProcessedSamplingWorkspace:
+    """Device buffers of `processed_sample`, allocated once per (rows, chunks) and reused, so a captured CUDA
+    graph keeps valid addresses: the float32 scratch `[max_scratch_rows, vocab]` (rows with sparse entries),
+    per-tile statistics `[rows, ceil(vocab / tile)]` x 4, the search states and per-chunk partials
+    (`num_passes + 2` states, `[num_passes + 1, rows, chunks, 2, PIVOTS]` counts and masses) and the per-row
+    buffers (CAP_A and CAP_B entries). `overflow_count` `[1]` int64 counts rows that needed a documented rounding.
+
+    `tile_size` (a power of two >= 16) is the granularity at which passes skip the vocabulary and `num_passes`
+    (>= 1) the number of pivot passes; `threshold_capacity` (CAP_A) and `top_capacity` (CAP_B) the per-row
+    buffers of the threshold and top-N brackets (powers of two >= 64): all fixed here because they shape the
+    buffers (smaller buffers make the interpreter faster; on the GPU the defaults).
+    """
+
+    def __init__(self, device: torch.device | str, vocab_size: int, *, max_scratch_rows: int = 0,
+                 tile_size: int = DEFAULT_TILE, num_passes: int = DEFAULT_NUM_PASSES,
+                 threshold_capacity: int = DEFAULT_CAP_A, top_capacity: int = DEFAULT_CAP_B) -> None:
+        if tile_size < 16 or tile_size & (tile_size - 1):
+            raise ValueError(f"tile_size must be a power of two >= 16, got {tile_size}")
+        if num_passes < 1:
+            raise ValueError(f"num_passes must be >= 1, got {num_passes}")
+        for cap in (threshold_capacity, top_capacity):
+            if cap < 2 * SEG1 or cap & (cap - 1):
+                raise ValueError(f"buffer capacities must be powers of two >= {2 * SEG1}, got {cap}")
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.tile_size = tile_size
+        self.num_passes = num_passes
+        self.cap_a, self.cap_b = threshold_capacity, top_capacity
+        self.num_tiles = triton.cdiv(vocab_size, tile_size)
+        self.scratch = torch.empty(max(1, max_scratch_rows), vocab_size, dtype=torch.float32, device=self.device)
+        self.max_scratch_rows = max_scratch_rows
+        self.overflow_count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def buffers(self, rows: int, num_chunks: int) -> dict[str, torch.Tensor]:
+        """The buffers for `rows` rows split into `num_chunks` chunks (allocated on first use)."""
+        key = (rows, num_chunks)
+        if key not in self._buffers:
+            dev, f32, i32 = self.device, torch.float32, torch.int32
+            states = (self.num_passes + 2, rows, 2, _STATE_WIDTH)
+            partials = (self.num_passes + 1, rows, num_chunks, 2, PIVOTS)
+            self._buffers[key] = {
+                "tile_max": torch.empty(rows, self.num_tiles, dtype=f32, device=dev),
+                "tile_min": torch.empty(rows, self.num_tiles, dtype=f32, device=dev),
+                "tile_sum": torch.empty(rows, self.num_tiles, dtype=f32, device=dev),
+                "tile_cnt": torch.empty(rows, self.num_tiles, dtype=i32, device=dev),
+                "state_f": torch.zeros(states, dtype=f32, device=dev),
+                "state_i": torch.zeros(states, dtype=i32, device=dev),
+                "row": torch.zeros(rows, _STATE_WIDTH, dtype=f32, device=dev),
+                # Zeroed: a pass reads only partials its searches wrote, but never uninitialised memory.
+                "cnt": torch.zeros(partials, dtype=i32, device=dev),
+                "mass": torch.zeros(partials, dtype=f32, device=dev),
+                "ext": torch.zeros(self.num_passes + 1, rows, num_chunks, 2, 2, dtype=f32, device=dev),
+                "val_a": torch.empty(rows, self.cap_a, dtype=f32, device=dev),
+                "id_a": torch.empty(rows, self.cap_a, dtype=i32, device=dev),
+                "val_b": torch.empty(rows, self.cap_b, dtype=f32, device=dev),
+                "id_b": torch.empty(rows, self.cap_b, dtype=i32, device=dev),
+                "top_v": torch.empty(rows, MAX_TOP, dtype=f32, device=dev),
+                "top_id": torch.empty(rows, MAX_TOP, dtype=i32, device=dev),
+                "flags": torch.empty(rows, dtype=i32, device=dev),
+                "best_score": torch.empty(rows, num_chunks, dtype=f32, device=dev),
+                "best_index": torch.empty(rows, num_chunks, dtype=i32, device=dev),
+                "best_y": torch.empty(rows, num_chunks, dtype=f32, device=dev),
+                "kept_mass": torch.empty(rows, num_chunks, dtype=f32, device=dev),
+                "rank": torch.empty(rows, num_chunks, dtype=i32, device=dev),
+            }
+        return self._buffers[key]
+
+
+def choose_processed_chunk_size(rows: int, vocab: int, num_sms: int, tile_size: int = DEFAULT_TILE) -> int:
+    """Vocabulary entries per program: gpu_kernels/sampling.py's choice, but at least _MIN_CHUNK (each program
+    of a pass reads all of its row's per-chunk partials) and at least one tile. Any choice gives the same
+    result."""
+    return max(tile_size, min(max(_MIN_CHUNK, choose_chunk_size(rows, vocab, num_sms)),
+                              triton.next_power_of_2(vocab)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def processed_sample(
+    logits: torch.Tensor,
+    params: ProcessedParams,
+    seeds: torch.Tensor,
+    *,
+    workspace: ProcessedSamplingWorkspace | None = None,
+    penalties: PenaltyBits | None = None,
+    bitmask: torch.Tensor | None = None,
+    sparse: SparseEntries | None = None,
+    last_sampled: torch.Tensor | None = None,
+    num_top: int = 0,
+    chunk_size: int | None = None,
+) -> ProcessedSample:
+    """Sample one token per row with every filter, penalty and logprob of its parameters, in 7 + num_passes
+    launches whatever the mix of rows, with no host synchronisation (capturable in a CUDA graph).
+
+    Args:
+        logits: `[n, vocab]` bf16, fp16 or fp32, last-dimension stride 1: the whole vocabulary.
+        params: the rows' `ProcessedParams` (n rows).
+        seeds: `[n]` int64 Philox seeds (ignored for greedy rows): the same seed gives the same token, and a
+            plain row the token `gpu_kernels.sampling.sample_candidates` gives.
+        workspace: reused device buffers; None allocates a fresh one (not for graph capture). Rows with sparse
+            entries need `max_scratch_rows` above their scratch row.
+        penalties: the token state of rows with a repetition, frequency or presence penalty (their I_STATE_ROW).
+        bitmask: `[G, ceil(vocab / 32)]` int32, the grammar rows' allowed tokens (their I_GRAMMAR_ROW).
+        sparse: bias and bans (rows with an I_SCRATCH_ROW).
+        last_sampled: `[max_num_seqs]` int64, each state row's last sampled token (conditional bans).
+        num_top: width of the top-N outputs (<= MAX_TOP); rows asking for more get the first num_top.
+        chunk_size: vocabulary entries per program (a power of two, a multiple of the workspace's tile size);
+            None picks `choose_processed_chunk_size`. It changes the speed, never the result.
+
+    Returns:
+        `ProcessedSample`. A row with no finite logit gets token 0 (logprob -inf, rank 1).
+
+    Raises:
+        ValueError: on mismatched shapes, a vocabulary other than the workspace's, a bad chunk size or
+            num_top, or (checked on the host copy of the parameters) a row naming a grammar, scratch or
+            penalty row that the inputs do not provide.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("logits must be [n, vocab] with a contiguous vocabulary dimension")
+    n, vocab = logits.shape
+    if params.num_rows != n or seeds.shape != (n,):
+        raise ValueError(f"params and seeds must describe {n} rows, got {params.num_rows} and {tuple(seeds.shape)}")
+    if not 0 <= num_top <= MAX_TOP:
+        raise ValueError(f"num_top must lie in [0, {MAX_TOP}], got {num_top}")
+    ws = workspace or ProcessedSamplingWorkspace(logits.device, vocab, max_scratch_rows=n)
+    if ws.vocab_size != vocab:
+        raise ValueError(f"the workspace is for a vocabulary of {ws.vocab_size}, the logits have {vocab}")
+    tile = ws.tile_size
+    if chunk_size is None:
+        chunk_size = choose_processed_chunk_size(n, vocab, _num_sms(logits.device), tile)
+    elif chunk_size < tile or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= the tile size {tile}, got {chunk_size}")
+    _check_references(params, ws, penalties, bitmask, sparse)
+    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    out = ProcessedSample(tokens, torch.empty(n, dtype=torch.float32, device=logits.device),
+                          torch.empty(n, dtype=torch.int64, device=logits.device),
+                          torch.empty(n, num_top, dtype=torch.float32, device=logits.device),
+                          torch.empty(n, num_top, dtype=torch.int64, device=logits.device),
+                          torch.empty(n, dtype=torch.float32, device=logits.device),
+                          torch.empty(n, dtype=torch.int32, device=logits.device))
+    if not n:
+        return out
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    b = ws.buffers(n, num_chunks)
+    num_words = triton.cdiv(vocab, 32)
+    dummy_i32 = b["flags"]
+    seen, output, counts = penalties.tensors() if penalties is not None else (dummy_i32, dummy_i32, dummy_i32)
+    grammar = bitmask if bitmask is not None else dummy_i32
+    if sparse is None:
+        entries = (torch.zeros(n + 1, dtype=torch.int32, device=logits.device), dummy_i32, b["best_score"],
+                   torch.full((1,), -2, dtype=torch.int64, device=logits.device))
+    else:
+        entries = (sparse.offsets, sparse.tokens, sparse.bias, sparse.ban_after)
+    last = last_sampled if last_sampled is not None else tokens
+    fp, ip = params.floats, params.ints
+    grid, rows = (n, num_chunks), (n,)
+    ch = max(2, triton.next_power_of_2(num_chunks))
+    nt = max(2, triton.next_power_of_2(ws.num_tiles))
+    tpb = max(1, min(chunk_size, 2048) // tile)
+    common = (logits, logits.stride(0), fp, ip)
+    inputs = (ws.scratch, grammar, seen, output, counts)
+    tiles = (b["tile_max"], b["tile_min"], b["tile_sum"], b["tile_cnt"])
+    searches = (b["state_f"], b["state_i"], b["row"], b["cnt"], b["mass"], b["ext"])
+    _prepare_kernel[grid](*common, *inputs, *entries, last, int(last_sampled is not None), *tiles, vocab, num_words,
+                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, TPB=tpb, EB=_ENTRY_BLOCK, num_warps=4)
+    _plan_kernel[rows](fp, ip, *tiles, b["state_f"], b["state_i"], b["row"], n, ws.num_tiles, NT=nt, num_warps=4)
+    for pass_index in range(1, ws.num_passes + 1):
+        _pivot_kernel[grid](*common, *inputs, b["tile_max"], *searches, pass_index, n, num_chunks, vocab, num_words,
+                            ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b,
+                            num_warps=4)
+    _collect_kernel[grid](*common, *inputs, b["tile_max"], *searches, b["val_a"], b["id_a"], b["val_b"], b["id_b"],
+                          ws.num_passes, n, num_chunks, vocab, num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile,
+                          CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, num_warps=4)
+    _resolve_kernel[rows](fp, ip, b["state_f"], b["state_i"], b["row"], b["val_a"], b["id_a"], b["val_b"], b["id_b"],
+                          b["top_v"], b["top_id"], b["flags"], ws.num_passes + 1, n, NB=MAX_TOP, CAP_A=ws.cap_a,
+                          CAP_B=ws.cap_b, num_warps=4)
+    partials = (b["best_score"], b["best_index"], b["best_y"], b["kept_mass"])
+    _sample_kernel[grid](*common, seeds, *inputs, b["tile_max"], b["row"], *partials, num_chunks, vocab, num_words,
+                         ws.num_tiles, CHUNK=chunk_size, TILE=tile, BLOCK_V=min(2048, chunk_size), num_warps=4)
+    _rank_kernel[grid](*common, *inputs, b["tile_max"], b["row"], *partials, b["rank"], tokens, num_chunks, vocab,
+                       num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, num_warps=4)
+    _finish_kernel[rows](ip, b["row"], b["rank"], b["top_v"], b["top_id"], b["flags"], ws.overflow_count,
+                         out.logprobs, out.ranks, out.top_logprobs, out.top_ids, out.thresholds, out.flags,
+                         num_chunks, num_top, CH=ch, NB=MAX_TOP, num_warps=1)
+    return out
+
+
+def _check_references(params: ProcessedParams, ws: ProcessedSamplingWorkspace, penalties: PenaltyBits | None,
+                      bitmask: torch.Tensor | None, sparse: SparseEntries | None) -> None:
+    """Refuse rows that name tensors the call does not pass (only when the host copy of the params exists)."""
+    h = params.host_ints
+    if h is None:
+        return
+    grammar, scratch, state = h[:, I_GRAMMAR_ROW], h[:, I_SCRATCH_ROW], h[:, I_STATE_ROW]
+    if (grammar >= 0).any() and (bitmask is None or grammar.max() >= bitmask.shape[0]):
+        raise ValueError("a row names a grammar bitmask row that the bitmask does not have")
+    if (scratch >= 0).any() and (sparse is None or scratch.max() >= ws.max_scratch_rows):
+        raise ValueError("a row names a scratch row: pass its sparse entries and a workspace with enough scratch rows")
+    if penalties is None and params.penalized_rows().any():
+        raise ValueError("rows with penalties need their PenaltyBits")
+    if penalties is not None and (state >= penalties.max_num_seqs).any():
+        raise ValueError("a row names a penalty state row outside the PenaltyBits")
