@@ -126,18 +126,24 @@ _R_KEPT_MASS = tl.constexpr(7)
 
 # ============================================================================ per-row parameters
 @triton.jit
-def _row_params(fparams_ptr, iparams_ptr, row):
+def _row(fparams_ptr, iparams_ptr, row):
+    """A row's parameters (the F_* and I_* columns) and its int32 0/1 flags: sampled, top-k, top-p, min-p,
+    repetition, frequency/presence, grammar; `src`, where y comes from (0: logits * 1/T, 1: logits through the
+    pipeline, 2: the scratch row); `stats` (it filters or reports logprobs: tile statistics and searches);
+    logprobs; plain (temperature only: gpu_kernels/sampling.py's scan)."""
     f = fparams_ptr + row * _NF
     i = iparams_ptr + row * _NI
-    return (tl.load(f + 0), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3), tl.load(f + 4), tl.load(f + 5),
-            tl.load(f + 6), tl.load(f + 7), tl.load(i + 0), tl.load(i + 1), tl.load(i + 2), tl.load(i + 3),
-            tl.load(i + 4))
-
-
-@triton.jit
-def _row_flags(temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs):
-    """int32 0/1 flags of a row: (sampled, top-k, top-p, min-p, repetition, frequency/presence, grammar,
-    source of y (0 logits * 1/T, 1 logits through the pipeline, 2 scratch), needs tile stats, logprobs, plain)."""
+    temperature = tl.load(f + 0)
+    rep = tl.load(f + 4)
+    freq = tl.load(f + 6)
+    pres = tl.load(f + 7)
+    top_k = tl.load(i + 0)
+    top_p = tl.load(f + 2)
+    min_p = tl.load(f + 3)
+    state_row = tl.load(i + 1)
+    grammar_row = tl.load(i + 2)
+    scratch_row = tl.load(i + 3)
+    num_logprobs = tl.load(i + 4)
     sampled = (temperature > 0).to(tl.int32)
     use_k = sampled & (top_k > 0).to(tl.int32)
     use_p = sampled & (top_p < 1.0).to(tl.int32)
@@ -151,22 +157,18 @@ def _row_flags(temperature, top_k, top_p, min_p, rep, freq, pres, state_row, gra
     src = tl.where(from_scratch != 0, 2, tl.where((has_rep | has_fp | has_grammar) != 0, 1, 0))
     stats = use_k | use_p | use_minp | logprobs
     plain = tl.where((stats | has_rep | has_fp | has_grammar | from_scratch) != 0, 0, 1)
-    return sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain
+    return (temperature, tl.load(f + 1), top_p, min_p, rep, tl.load(f + 5), freq, pres, top_k, state_row,
+            grammar_row, scratch_row, num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar,
+            src, stats, logprobs, plain)
 
 
 # ============================================================================ the processed logits y
 @triton.jit
-def _finite(y):
-    """NaN -> -inf (it never wins), +inf -> the largest float (tied at the top)."""
-    y = tl.where(y == y, y, -float("inf"))
-    return tl.minimum(y, _FLT_MAX)
-
-
-@triton.jit
 def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
               counts_row_ptr, has_fp, freq, pres, inv_t, bias):
     """Steps 1-5 of the module docstring on logits `x` (float32, any shape) at vocabulary indices `cols`;
-    `bias` is added after the grammar (0 for a dense tile). The bit loads of unused steps are masked off."""
+    `bias` is added after the grammar (0 for a dense tile). The bit loads of unused steps are masked off.
+    NaN becomes -inf (it never wins) and +inf the largest float (tied at the top)."""
     # (A vector mask combines with a scalar flag through tl.where: the interpreter mistypes `mask & flag`.)
     words = cols >> 5
     bit = cols & 31
@@ -176,8 +178,8 @@ def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep
     x = tl.where(seen != 0, tl.where(x > 0, x * inv_rep, x * rep), x)
     generated = (tl.load(output_row_ptr + words, mask=tl.where(has_fp != 0, mask, False), other=0) >> bit) & 1
     count = tl.load(counts_row_ptr + cols, mask=mask & (generated != 0), other=0).to(tl.float32)
-    x = x - freq * count - pres * (count > 0).to(tl.float32)
-    return _finite(x * inv_t)
+    x = (x - freq * count - pres * (count > 0).to(tl.float32)) * inv_t
+    return tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)  # _finite, inlined
 
 
 @triton.jit
@@ -191,8 +193,8 @@ def _load_y(src, logits_row_ptr, scratch_row_ptr, cols, mask, grammar_row_ptr, h
         y = _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
                       output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, 0.0)
     else:
-        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        y = _finite(x * inv_t)
+        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)  # _finite, inlined
     return y
 
 
@@ -210,13 +212,12 @@ def _from_order_key(k):
 
 
 @triton.jit
-def _next_up(v):
-    return _from_order_key(_order_key(v) + 1)
-
-
-@triton.jit
-def _prev_down(v):
-    return _from_order_key(_order_key(v) - 1)
+def _adjacent(v, step):
+    """The float `step` (+1 or -1) places above v in the order of _order_key (one nested call, not three:
+    the interpreter re-patches triton.language on every device-function call)."""
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    k = (b ^ ((b >> 31) & 0x7FFFFFFF)) + step
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -226,16 +227,11 @@ def _pick(vec, j):
 
 
 @triton.jit
-def _pick_int(vec, j):
-    return tl.sum(tl.where(tl.arange(0, vec.shape[0]) == j, vec, 0), axis=0)
-
-
-@triton.jit
 def _pivots(lo, hi, a, b):
     """The PIVOTS pivots of bracket [lo, hi) whose entries lie in [a, b], ascending: lo, just above a (splits a
     off), four evenly inside (a, b), b (splits b off), hi. A bracket of two or more values always shrinks."""
     j = tl.arange(0, _PV)
-    first = tl.where(a < b, _next_up(a), b)
+    first = tl.where(a < b, _adjacent(a, 1), b)
     mid = a + (b - a) * ((j - 1).to(tl.float32) * (1.0 / (_PV - 2)))
     mid = tl.minimum(tl.maximum(mid, first), b)
     return tl.where(j == 0, lo, tl.where(j == 1, first, tl.where(j == _PV - 2, b, tl.where(j == _PV - 1, hi, mid))))
@@ -297,14 +293,16 @@ def _advance(lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_
     top = tl.max(tl.where(value >= target, j, -1), axis=0)  # value is non-increasing in j
     below = top < 0
     top = tl.minimum(tl.maximum(top, 0), _PV - 2)
-    new_lo = _pick(t, top)
-    new_hi = _pick(t, top + 1)
-    n_lo = _pick_int(cnt, top)
-    n_hi = _pick_int(cnt, top + 1)
-    m_lo = _pick(mass, top)
-    m_hi = _pick(mass, top + 1)
+    at_lo = j == top
+    at_hi = j == top + 1
+    new_lo = tl.max(tl.where(at_lo, t, -float("inf")), axis=0)
+    new_hi = tl.max(tl.where(at_hi, t, -float("inf")), axis=0)
+    n_lo = tl.sum(tl.where(at_lo, cnt, 0), axis=0)
+    n_hi = tl.sum(tl.where(at_hi, cnt, 0), axis=0)
+    m_lo = tl.sum(tl.where(at_lo, mass, 0.0), axis=0)
+    m_hi = tl.sum(tl.where(at_hi, mass, 0.0), axis=0)
     a2 = tl.maximum(new_lo, bmin)
-    b2 = tl.minimum(_prev_down(new_hi), bmax)
+    b2 = tl.minimum(_adjacent(new_hi, -1), bmax)
     single = a2 >= b2  # the new bracket holds one distinct value, a2
     nested = kind == _COUNT_THEN_MASS
     upper = nested & (n_lo <= cap_upper)
@@ -322,7 +320,7 @@ def _advance(lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_
     new_tau = tl.where(below, lo, tl.where(mass_done, row_max, a2))
     new_flags = tl.where(below & (clipped == 0), flags | _ROUNDED, flags)
     out_lo = tl.where(start_mass, a2, new_lo)
-    out_hi = tl.where(start_mass, _next_up(row_max), new_hi)
+    out_hi = tl.where(start_mass, _adjacent(row_max, 1), new_hi)
     out_a = a2
     out_b = tl.where(start_mass, row_max, b2)
     out_kind = tl.where(start_mass, _MASS, kind)
@@ -347,9 +345,8 @@ def _prepare_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     logits_row = logits_ptr + row * stride_row
     scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
     grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
@@ -419,9 +416,8 @@ def _plan_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     if stats != 0:
         tiles = tl.arange(0, NT)
         tm = tiles < num_tiles
@@ -455,7 +451,7 @@ def _plan_kernel(
         lo_a = tl.where(clip, tau_min, lo_a)
         exact_a = (lo_a >= row_max) | ((kind_a == _MASS) & (target_a <= 0.0))
         status_a = tl.where((kind_a == 0) | (any_finite == 0), _NONE, tl.where(exact_a, _EXACT, _SEARCH))
-        hi = _next_up(row_max)
+        hi = _adjacent(row_max, 1)
         fa = state_f_ptr + (num_rows + row) * (2 * _SW)  # state of pass 1
         ia = state_i_ptr + (num_rows + row) * (2 * _SW)
         _store_search(fa, ia, lo_a, hi, lo_a, row_max, target_a, row_max, 0.0, 0.0, status_a, kind_a, 0, 0, 0, 0,
@@ -487,90 +483,102 @@ def _pivot_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     if stats != 0:
-        row_max = tl.load(row_ptr + row * _SW + _R_MAX)
         prev = (pass_index - 1) * num_rows + row
         here = pass_index * num_rows + row
         start = tl.where(pass_index > 1, prev, here)  # pass 1 evaluates the plan's state
         fa = state_f_ptr + start * (2 * _SW)
         ia = state_i_ptr + start * (2 * _SW)
-        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fa, ia)
-        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
-            fa + _SW, ia + _SW)
-        if pass_index > 1:
-            pbase = prev * num_chunks * (2 * _PV)
-            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4,
-                                               0, num_chunks, CH)
-            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
-                lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
-                cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_A, CAP_A)
-            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4,
-                                               1, num_chunks, CH)
-            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
-                lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
-                cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_B - _SEG1, 0)
-            if chunk == 0:
-                fh = state_f_ptr + here * (2 * _SW)
-                ih = state_i_ptr + here * (2 * _SW)
-                _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a,
-                              ch_a, fl_a)
-                _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b,
-                              rs_b, cl_b, ch_b, fl_b)
-        on_a = st_a == _SEARCH
-        on_b = st_b == _SEARCH
-        if on_a | on_b:
-            logits_row = logits_ptr + row * stride_row
-            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-            srow = tl.maximum(state_row, 0).to(tl.int64)
-            piv_a = tl.where(on_a, _pivots(lo_a, hi_a, a_a, b_a), float("inf"))
-            piv_b = tl.where(on_b, _pivots(lo_b, hi_b, a_b, b_b), float("inf"))
-            lo_a = tl.where(on_a, lo_a, float("inf"))
-            lo_b = tl.where(on_b, lo_b, float("inf"))
-            need = tl.minimum(lo_a, lo_b)
-            with_mass = on_a & (kd_a != _COUNT)
-            acc_ca = tl.zeros([_PV, TILE], tl.int32)
-            acc_ma = tl.zeros([_PV, TILE], tl.float32)
-            acc_cb = tl.zeros([_PV, TILE], tl.int32)
-            mn_a = tl.full([TILE], float("inf"), tl.float32)
-            mx_a = tl.full([TILE], -float("inf"), tl.float32)
-            mn_b = tl.full([TILE], float("inf"), tl.float32)
-            mx_b = tl.full([TILE], -float("inf"), tl.float32)
-            for t in range(0, CHUNK // TILE):
-                tile = chunk * (CHUNK // TILE) + t
-                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                   other=-float("inf"))
-                if tile_max >= need:
-                    cols = tile * TILE + tl.arange(0, TILE)
-                    mask = cols < vocab_size
-                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
-                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
-                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
-                    ge_a = y[None, :] >= piv_a[:, None]
-                    acc_ca += ge_a.to(tl.int32)
-                    if with_mass:
-                        acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
-                    acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
-                    in_a = (y >= lo_a) & (y < hi_a)
-                    mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
-                    mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
-                    in_b = (y >= lo_b) & (y < hi_b)
-                    mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
-                    mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
-            j = tl.arange(0, _PV)
-            out = (here * num_chunks + chunk) * (2 * _PV)
-            tl.store(cnt_ptr + out + j, tl.sum(acc_ca, axis=1))
-            tl.store(mass_ptr + out + j, tl.sum(acc_ma, axis=1))
-            tl.store(cnt_ptr + out + _PV + j, tl.sum(acc_cb, axis=1))
-            tl.store(mass_ptr + out + _PV + j, tl.zeros([_PV], tl.float32))
-            e = ext_ptr + (here * num_chunks + chunk) * 4
-            tl.store(e + 0, tl.min(mn_a, axis=0))
-            tl.store(e + 1, tl.max(mx_a, axis=0))
-            tl.store(e + 2, tl.min(mn_b, axis=0))
-            tl.store(e + 3, tl.max(mx_b, axis=0))
+        if (tl.load(ia) == _SEARCH) | (tl.load(ia + _SW) == _SEARCH):
+            row_max = tl.load(row_ptr + row * _SW + _R_MAX)
+            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(
+                fa, ia)
+            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
+                fa + _SW, ia + _SW)
+            if pass_index > 1:
+                pbase = prev * num_chunks * (2 * _PV)
+                if st_a == _SEARCH:
+                    cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase,
+                                                       ext_ptr + prev * num_chunks * 4, 0, num_chunks, CH)
+                    lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
+                        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
+                        cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_A, CAP_A)
+                if st_b == _SEARCH:
+                    cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase,
+                                                       ext_ptr + prev * num_chunks * 4, 1, num_chunks, CH)
+                    lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
+                        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
+                        cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_B - _SEG1, 0)
+                if chunk == 0:
+                    fh = state_f_ptr + here * (2 * _SW)
+                    ih = state_i_ptr + here * (2 * _SW)
+                    _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a,
+                                  ch_a, fl_a)
+                    _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b,
+                                  rs_b, cl_b, ch_b, fl_b)
+            on_a = st_a == _SEARCH
+            on_b = st_b == _SEARCH
+            if on_a | on_b:
+                logits_row = logits_ptr + row * stride_row
+                scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
+                grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
+                srow = tl.maximum(state_row, 0).to(tl.int64)
+                piv_a = tl.where(on_a, _pivots(lo_a, hi_a, a_a, b_a), float("inf"))
+                piv_b = tl.where(on_b, _pivots(lo_b, hi_b, a_b, b_b), float("inf"))
+                lo_a = tl.where(on_a, lo_a, float("inf"))
+                lo_b = tl.where(on_b, lo_b, float("inf"))
+                need = tl.minimum(lo_a, lo_b)
+                with_mass = on_a & (kd_a != _COUNT)
+                acc_ca = tl.zeros([_PV, TILE], tl.int32)
+                acc_ma = tl.zeros([_PV, TILE], tl.float32)
+                acc_cb = tl.zeros([_PV, TILE], tl.int32)
+                mn_a = tl.full([TILE], float("inf"), tl.float32)
+                mx_a = tl.full([TILE], -float("inf"), tl.float32)
+                mn_b = tl.full([TILE], float("inf"), tl.float32)
+                mx_b = tl.full([TILE], -float("inf"), tl.float32)
+                for t in range(0, CHUNK // TILE):
+                    tile = chunk * (CHUNK // TILE) + t
+                    tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                       other=-float("inf"))
+                    if tile_max >= need:
+                        cols = tile * TILE + tl.arange(0, TILE)
+                        mask = cols < vocab_size
+                        y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
+                                    seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
+                                    counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                        ge_a = y[None, :] >= piv_a[:, None]
+                        acc_ca += ge_a.to(tl.int32)
+                        if with_mass:
+                            acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
+                        acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
+                        in_a = (y >= lo_a) & (y < hi_a)
+                        mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
+                        mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
+                        in_b = (y >= lo_b) & (y < hi_b)
+                        mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
+                        mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
+                j = tl.arange(0, _PV)
+                out = (here * num_chunks + chunk) * (2 * _PV)
+                tl.store(cnt_ptr + out + j, tl.sum(acc_ca, axis=1))
+                tl.store(mass_ptr + out + j, tl.sum(acc_ma, axis=1))
+                tl.store(cnt_ptr + out + _PV + j, tl.sum(acc_cb, axis=1))
+                tl.store(mass_ptr + out + _PV + j, tl.zeros([_PV], tl.float32))
+                e = ext_ptr + (here * num_chunks + chunk) * 4
+                tl.store(e + 0, tl.min(mn_a, axis=0))
+                tl.store(e + 1, tl.max(mx_a, axis=0))
+                tl.store(e + 2, tl.min(mn_b, axis=0))
+                tl.store(e + 3, tl.max(mx_b, axis=0))
+        elif (pass_index > 1) & (chunk == 0):  # settled searches: carry the state to the next pass
+            _copy_state(fa, ia, state_f_ptr + here * (2 * _SW), state_i_ptr + here * (2 * _SW))
+
+
+@triton.jit
+def _copy_state(src_f, src_i, dst_f, dst_i):
+    k = tl.arange(0, 2 * _SW)
+    tl.store(dst_f + k, tl.load(src_f + k))
+    tl.store(dst_i + k, tl.load(src_i + k))
 
 
 @triton.jit
@@ -595,9 +603,8 @@ def _collect_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     if stats != 0:
         row_max = tl.load(row_ptr + row * _SW + _R_MAX)
         prev = last_pass * num_rows + row
@@ -605,18 +612,20 @@ def _collect_kernel(
         ia = state_i_ptr + prev * (2 * _SW)
         pbase = prev * num_chunks * (2 * _PV)
         lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fa, ia)
-        cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 0,
-                                           num_chunks, CH)
-        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
-            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
-            cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_A, CAP_A)
         lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
             fa + _SW, ia + _SW)
-        cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 1,
-                                           num_chunks, CH)
-        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
-            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
-            cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_B - _SEG1, 0)
+        if st_a == _SEARCH:
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 0,
+                                               num_chunks, CH)
+            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
+                lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
+                cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_A, CAP_A)
+        if st_b == _SEARCH:
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 1,
+                                               num_chunks, CH)
+            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
+                lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
+                cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_B - _SEG1, 0)
         if chunk == 0:
             here = (last_pass + 1) * num_rows + row
             fh = state_f_ptr + here * (2 * _SW)
@@ -700,9 +709,8 @@ def _resolve_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     if stats != 0:
         r = row_ptr + row * _SW
         row_max = tl.load(r + _R_MAX)
@@ -774,6 +782,55 @@ def _first_int(values, NB: tl.constexpr):
 
 
 @triton.jit
+def _sample_block(base, Q: tl.constexpr, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar, seen_row_ptr,
+                  has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size, tau,
+                  sampled, seed, logprobs, row_max, best_score, best_index, best_y, kept_mass):
+    """Gumbel-max (or argmax) lanes over entries base .. base + 4Q - 1 ([Q, 4]: row q holds the four entries of
+    Philox counter base / 4 + q, as in gpu_kernels/sampling.py) of the kept set {y >= tau}."""
+    quads = tl.arange(0, Q)
+    words = tl.arange(0, 4)
+    cols = base + 4 * quads[:, None] + words[None, :]
+    mask = cols < vocab_size
+    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
+                rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t)
+    kept = mask & (y > -float("inf")) & (y >= tau)
+    if sampled != 0:
+        r0, r1, r2, r3 = tl.randint4x(seed, base // 4 + quads)
+        bits = tl.where(words[None, :] == 0, r0[:, None],
+                        tl.where(words[None, :] == 1, r1[:, None],
+                                 tl.where(words[None, :] == 2, r2[:, None], r3[:, None])))
+        u = tl.uint_to_uniform_float(bits)
+        score = y - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    else:
+        score = y
+    better = kept & (score > best_score)  # strictly: the first index wins a tie; NaN is -inf already
+    best_index = tl.where(better, cols, best_index)
+    best_score = tl.where(better, score, best_score)
+    best_y = tl.where(better, y, best_y)
+    if logprobs != 0:
+        kept_mass += tl.where(kept, tl.exp(y - row_max), 0.0)
+    return best_score, best_index, best_y, kept_mass
+
+
+@triton.jit
+def _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size):
+    """The chunk's (score, lowest index among the best, its y, kept mass) from the lanes."""
+    top = tl.max(tl.max(best_score, axis=1), axis=0)
+    index = tl.min(tl.min(tl.where(best_score == top, best_index, vocab_size), axis=1), axis=0)
+    y_index = tl.max(tl.max(tl.where(best_index == index, best_y, -float("inf")), axis=1), axis=0)
+    return top, index, y_index, tl.sum(tl.sum(kept_mass, axis=1), axis=0)
+
+
+@triton.jit
+def _active_tiles(tile_max_ptr, row, chunk, num_tiles, bound, strict, NTC: tl.constexpr):
+    """How many of the chunk's tiles have a max at or above `bound` (above it if `strict`)."""
+    t = chunk * NTC + tl.arange(0, NTC)
+    m = tl.load(tile_max_ptr + row * num_tiles + t, mask=t < num_tiles, other=-float("inf"))
+    hit = tl.where(strict != 0, m > bound, m >= bound) & (m > -float("inf"))
+    return tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, seeds_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr,
     counts_ptr, tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr,
@@ -783,9 +840,8 @@ def _sample_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     logits_row = logits_ptr + row * stride_row
     out = row * num_chunks + chunk
     if plain != 0:
@@ -807,48 +863,55 @@ def _sample_kernel(
         scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
         grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
         srow = tl.maximum(state_row, 0).to(tl.int64)
-        quads = tl.arange(0, TILE // 4)
-        words = tl.arange(0, 4)
-        best_score = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
-        best_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
-        best_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
-        kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
-        for t in range(0, CHUNK // TILE):
-            tile = chunk * (CHUNK // TILE) + t
-            go = tile < num_tiles
-            if stats != 0:
-                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=go, other=-float("inf"))
-                go = go & (tile_max > -float("inf")) & (tile_max >= tau)
-            if go:
-                base = tile * TILE
-                cols = base + 4 * quads[:, None] + words[None, :]
-                mask = cols < vocab_size
-                y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
-                            seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
-                            counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
-                kept = mask & (y > -float("inf")) & (y >= tau)
-                if sampled != 0:
-                    r0, r1, r2, r3 = tl.randint4x(seed, base // 4 + quads)
-                    bits = tl.where(words[None, :] == 0, r0[:, None],
-                                    tl.where(words[None, :] == 1, r1[:, None],
-                                             tl.where(words[None, :] == 2, r2[:, None], r3[:, None])))
-                    u = tl.uint_to_uniform_float(bits)
-                    score = y - tl.log(-tl.log(tl.maximum(u, 1e-20)))
-                else:
-                    score = y
-                better = kept & (score > best_score)  # strictly: the first index wins a tie
-                best_index = tl.where(better, cols, best_index)
-                best_score = tl.where(better, score, best_score)
-                best_y = tl.where(better, y, best_y)
-                if logprobs != 0:
-                    kept_mass += tl.where(kept, tl.exp(y - row_max), 0.0)
-        top = tl.max(tl.max(best_score, axis=1), axis=0)
-        index = tl.min(tl.min(tl.where(best_score == top, best_index, vocab_size), axis=1), axis=0)
-        y_index = tl.max(tl.max(tl.where(best_index == index, best_y, -float("inf")), axis=1), axis=0)
+        seen_row_ptr = seen_ptr + srow * num_words
+        output_row_ptr = output_ptr + srow * num_words
+        counts_row_ptr = counts_ptr + srow * vocab_size
+        # Dense (large blocks, no per-tile branch) when the tile statistics would skip little.
+        dense = stats == 0
+        if stats != 0:
+            dense = _active_tiles(tile_max_ptr, row, chunk, num_tiles, tau, 0, CHUNK // TILE) * 4 > CHUNK // TILE
+        if dense:
+            best_score = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
+            best_index = tl.full([BLOCK_V // 4, 4], vocab_size, tl.int32)
+            best_y = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
+            kept_mass = tl.zeros([BLOCK_V // 4, 4], tl.float32)
+            for start in range(0, CHUNK, BLOCK_V):
+                best_score, best_index, best_y, kept_mass = _sample_block(
+                    chunk * CHUNK + start, BLOCK_V // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                    has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq,
+                    pres, inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
+                    kept_mass)
+            top, index, y_index, mass = _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size)
+        else:
+            best_score = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+            best_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
+            best_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+            kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
+            for t in range(0, CHUNK // TILE):
+                tile = chunk * (CHUNK // TILE) + t
+                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                   other=-float("inf"))
+                if (tile_max > -float("inf")) & (tile_max >= tau):
+                    best_score, best_index, best_y, kept_mass = _sample_block(
+                        tile * TILE, TILE // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
+                        seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres,
+                        inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
+                        kept_mass)
+            top, index, y_index, mass = _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size)
         tl.store(best_score_ptr + out, top)
         tl.store(best_index_ptr + out, index)
         tl.store(best_y_ptr + out, y_index)
-        tl.store(kept_mass_ptr + out, tl.sum(tl.sum(kept_mass, axis=1), axis=0))
+        tl.store(kept_mass_ptr + out, mass)
+
+
+@triton.jit
+def _count_above(start, BLOCK: tl.constexpr, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
+                 seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t,
+                 vocab_size, bound):
+    cols = start + tl.arange(0, BLOCK)
+    y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr, has_grammar, seen_row_ptr,
+                has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t)
+    return tl.sum((y > bound).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -856,14 +919,13 @@ def _rank_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr, rank_ptr, tokens_ptr,
     num_chunks, vocab_size, num_words, num_tiles,
-    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
-     num_logprobs) = _row_params(fparams_ptr, iparams_ptr, row)
-    (sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs, plain) = _row_flags(
-        temperature, top_k, top_p, min_p, rep, freq, pres, state_row, grammar_row, scratch_row, num_logprobs)
+     num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
+     plain) = _row(fparams_ptr, iparams_ptr, row)
     c = tl.arange(0, CH)
     cm = c < num_chunks
     scores = tl.load(best_score_ptr + row * num_chunks + c, mask=cm, other=-float("inf"))
@@ -880,24 +942,32 @@ def _rank_kernel(
             tl.store(row_ptr + row * _SW + _R_Y_TOKEN, y_token)
             tl.store(row_ptr + row * _SW + _R_KEPT_MASS,
                      tl.sum(tl.load(kept_mass_ptr + row * num_chunks + c, mask=cm, other=0.0), axis=0))
-        above = tl.zeros([TILE], tl.int32)
-        if index < vocab_size:
+        above = index * 0  # an int32 tensor: a loop-carried value must keep its type
+        if index < vocab_size:  # the token is kept, so every entry above it is kept too
             logits_row = logits_ptr + row * stride_row
             scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
             grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
             srow = tl.maximum(state_row, 0).to(tl.int64)
-            for t in range(0, CHUNK // TILE):
-                tile = chunk * (CHUNK // TILE) + t
-                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                   other=-float("inf"))
-                if tile_max > y_token:  # the token is kept, so every entry above it is kept too
-                    cols = tile * TILE + tl.arange(0, TILE)
-                    mask = cols < vocab_size
-                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
-                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
-                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
-                    above += (y > y_token).to(tl.int32)
-        tl.store(rank_ptr + row * num_chunks + chunk, tl.sum(above, axis=0))
+            seen_row_ptr = seen_ptr + srow * num_words
+            output_row_ptr = output_ptr + srow * num_words
+            counts_row_ptr = counts_ptr + srow * vocab_size
+            active = _active_tiles(tile_max_ptr, row, chunk, num_tiles, y_token, 1, CHUNK // TILE)
+            if active * 4 > CHUNK // TILE:
+                for start in range(0, CHUNK, BLOCK_V):
+                    above += _count_above(chunk * CHUNK + start, BLOCK_V, src, logits_row, scratch_row_ptr,
+                                          grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
+                                          output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size,
+                                          y_token)
+            else:
+                for t in range(0, CHUNK // TILE):
+                    tile = chunk * (CHUNK // TILE) + t
+                    tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                                       other=-float("inf"))
+                    if tile_max > y_token:
+                        above += _count_above(tile * TILE, TILE, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                                              has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
+                                              counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size, y_token)
+        tl.store(rank_ptr + row * num_chunks + chunk, above)
 
 
 @triton.jit
@@ -1140,7 +1210,8 @@ def processed_sample(
     _sample_kernel[grid](*common, seeds, *inputs, b["tile_max"], b["row"], *partials, num_chunks, vocab, num_words,
                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, BLOCK_V=min(2048, chunk_size), num_warps=4)
     _rank_kernel[grid](*common, *inputs, b["tile_max"], b["row"], *partials, b["rank"], tokens, num_chunks, vocab,
-                       num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, num_warps=4)
+                       num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, BLOCK_V=min(2048, chunk_size),
+                       num_warps=4)
     _finish_kernel[rows](ip, b["row"], b["rank"], b["top_v"], b["top_id"], b["flags"], ws.overflow_count,
                          out.logprobs, out.ranks, out.top_logprobs, out.top_ids, out.thresholds, out.flags,
                          num_chunks, num_top, CH=ch, NB=MAX_TOP, num_warps=1)
