@@ -82,7 +82,7 @@ from gpu_kernels.sampling_inputs import (
     SparseEntries,
 )
 
-PIVOTS = 8  # per search and pass: the bracket's two ends and six points inside it
+PIVOTS = 16  # per search and pass: the bracket's two ends and 14 points inside it
 DEFAULT_CAP_A = 1024  # entries of a threshold bracket the resolve step sorts
 SEG1 = 32  # top-N buffer slots for the entries above the top-N bracket (fewer than N <= 20)
 DEFAULT_CAP_B = 128  # top-N buffer: SEG1 slots, then CAP_B - SEG1 for the bracket's entries
@@ -229,7 +229,7 @@ def _pick(vec, j):
 @triton.jit
 def _pivots(lo, hi, a, b):
     """The PIVOTS pivots of bracket [lo, hi) whose entries lie in [a, b], ascending: lo, just above a (splits a
-    off), four evenly inside (a, b), b (splits b off), hi. A bracket of two or more values always shrinks."""
+    off), PIVOTS - 4 evenly inside (a, b), b (splits b off), hi. A bracket of two or more values always shrinks."""
     j = tl.arange(0, _PV)
     first = tl.where(a < b, _adjacent(a, 1), b)
     mid = a + (b - a) * ((j - 1).to(tl.float32) * (1.0 / (_PV - 2)))
@@ -334,6 +334,55 @@ def _advance(lo, hi, a, b, target, tau, g_lo, g_hi, status, kind, ref_pass, ref_
             tl.where(active, n_lo, c_lo), tl.where(active, n_hi, c_hi), tl.where(active, new_flags, flags))
 
 
+@triton.jit
+def _step_searches(state_f_ptr, state_i_ptr, cnt_ptr, mass_ptr, ext_ptr, src, dst, evaluated, num_rows, num_chunks,
+                   row, chunk, row_max, top_p, CH: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr):
+    """Both searches of a row from state `src`, each advanced by the partials of pass `evaluated` (0: none)
+    when it was searching; chunk 0 stores the result as state `dst` (when it differs from `src`)."""
+    fs = state_f_ptr + (src * num_rows + row) * (2 * _SW)
+    i_s = state_i_ptr + (src * num_rows + row) * (2 * _SW)
+    lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fs, i_s)
+    lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
+        fs + _SW, i_s + _SW)
+    if evaluated >= 1:
+        at = evaluated * num_rows + row
+        if st_a == _SEARCH:
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + at * num_chunks * (2 * _PV), mass_ptr + at * num_chunks
+                                               * (2 * _PV), ext_ptr + at * num_chunks * 4, 0, num_chunks, CH)
+            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
+                lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
+                cnt, mass, bmin, bmax, evaluated, row_max, top_p, CAP_A, CAP_A)
+        if st_b == _SEARCH:
+            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + at * num_chunks * (2 * _PV), mass_ptr + at * num_chunks
+                                               * (2 * _PV), ext_ptr + at * num_chunks * 4, 1, num_chunks, CH)
+            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
+                lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
+                cnt, mass, bmin, bmax, evaluated, row_max, top_p, CAP_B - _SEG1, 0)
+        if chunk == 0:
+            fd = state_f_ptr + (dst * num_rows + row) * (2 * _SW)
+            i_d = state_i_ptr + (dst * num_rows + row) * (2 * _SW)
+            _store_search(fd, i_d, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a,
+                          fl_a)
+            _store_search(fd + _SW, i_d + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b,
+                          cl_b, ch_b, fl_b)
+    return (lo_a, hi_a, a_a, b_a, tg_a, kd_a, rp_a, rs_a, st_a, lo_b, hi_b, a_b, b_b, rp_b, rs_b, st_b)
+
+
+@triton.jit
+def _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
+                  scratch_row, grammar_row, state_row, vocab_size, num_words):
+    """The row's logits, scratch row, grammar bitmask row and penalty rows (row 0 where it has none)."""
+    srow = tl.maximum(state_row, 0).to(tl.int64)
+    return (logits_ptr + row * stride_row, scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size,
+            bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words, seen_ptr + srow * num_words,
+            output_ptr + srow * num_words, counts_ptr + srow * vocab_size)
+
+
+@triton.jit
+def _tile_max(tile_max_ptr, row, tile, num_tiles):
+    return tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles, other=-float("inf"))
+
+
 # ============================================================================ kernels, in launch order
 @triton.jit
 def _prepare_kernel(
@@ -347,13 +396,9 @@ def _prepare_kernel(
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
      plain) = _row(fparams_ptr, iparams_ptr, row)
-    logits_row = logits_ptr + row * stride_row
-    scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-    grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-    srow = tl.maximum(state_row, 0).to(tl.int64)
-    seen_row_ptr = seen_ptr + srow * num_words
-    output_row_ptr = output_ptr + srow * num_words
-    counts_row_ptr = counts_ptr + srow * vocab_size
+    logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
+        _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
+                      scratch_row, grammar_row, state_row, vocab_size, num_words))
     chunk_lo = chunk * CHUNK
     if src == 2:
         # The dense pipeline without the sparse entries, then those entries' tokens again from their raw
@@ -379,7 +424,7 @@ def _prepare_kernel(
                           output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, bias)
             tl.store(scratch_row_ptr + tok, y, mask=mine)
         tl.debug_barrier()
-        last = tl.load(last_ptr + srow, mask=(has_last != 0) & (state_row >= 0), other=-3)
+        last = tl.load(last_ptr + tl.maximum(state_row, 0), mask=(has_last != 0) & (state_row >= 0), other=-3)
         for e in range(e0, e1, EB):
             idx = e + tl.arange(0, EB)
             em = idx < e1
@@ -400,7 +445,8 @@ def _prepare_kernel(
             tmax = tl.max(y, axis=1)
             tmin = tl.min(tl.where(finite, y, float("inf")), axis=1)
             tcnt = tl.sum(finite.to(tl.int32), axis=1)
-            tsum = tl.sum(tl.where(finite, tl.exp(y - tmax[:, None]), 0.0), axis=1)
+            shift = tl.where(tmax > -float("inf"), tmax, 0.0)  # no -inf - -inf in a tile without finite entries
+            tsum = tl.sum(tl.where(finite, tl.exp(y - shift[:, None]), 0.0), axis=1)
             tm = tiles < num_tiles
             offs = row * num_tiles + tiles
             tl.store(tile_max_ptr + offs, tmax, mask=tm)
@@ -430,7 +476,8 @@ def _plan_kernel(
         finite = tl.sum(tcnt, axis=0)
         row_min = tl.min(tmin, axis=0)
         nonempty = tcnt > 0
-        mass = tl.sum(tl.where(nonempty, tsum * tl.exp(tmax - row_max), 0.0), axis=0)
+        shift = tl.where(row_max > -float("inf"), row_max, 0.0)  # a row without finite entries has no mass
+        mass = tl.sum(tl.where(nonempty, tsum * tl.exp(tmax - shift), 0.0), axis=0)
         any_finite = finite > 0
         log_min_p = tl.log(tl.where(use_minp != 0, min_p, 1.0).to(tl.float64))
         tau_min = tl.where((use_minp != 0) & any_finite, (row_max.to(tl.float64) + log_min_p).to(tl.float32),
@@ -443,7 +490,7 @@ def _plan_kernel(
         target_a = tl.where(k_on, top_k.to(tl.float32), top_p * mass)
         kth = _pick(desc, top_k - 1)  # >= top_k entries lie at or above the k-th largest tile max
         lo_count = tl.where(kth > -float("inf"), kth, row_min)
-        tile_mass = tl.cumsum(tl.where(desc > -float("inf"), tl.exp(desc - row_max), 0.0), axis=0)
+        tile_mass = tl.cumsum(tl.where(desc > -float("inf"), tl.exp(desc - shift), 0.0), axis=0)
         first = tl.min(tl.where(tile_mass >= target_a * 1.0001, tiles, NT), axis=0)  # margin for rounding
         lo_mass = tl.where(first < NT, _pick(desc, first), row_min)
         lo_a = tl.where(kind_a == _MASS, lo_mass, lo_count)
@@ -493,38 +540,16 @@ def _pivot_kernel(
         ia = state_i_ptr + start * (2 * _SW)
         if (tl.load(ia) == _SEARCH) | (tl.load(ia + _SW) == _SEARCH):
             row_max = tl.load(row_ptr + row * _SW + _R_MAX)
-            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(
-                fa, ia)
-            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
-                fa + _SW, ia + _SW)
-            if pass_index > 1:
-                pbase = prev * num_chunks * (2 * _PV)
-                if st_a == _SEARCH:
-                    cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase,
-                                                       ext_ptr + prev * num_chunks * 4, 0, num_chunks, CH)
-                    lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
-                        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
-                        cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_A, CAP_A)
-                if st_b == _SEARCH:
-                    cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase,
-                                                       ext_ptr + prev * num_chunks * 4, 1, num_chunks, CH)
-                    lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
-                        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
-                        cnt, mass, bmin, bmax, pass_index - 1, row_max, top_p, CAP_B - _SEG1, 0)
-                if chunk == 0:
-                    fh = state_f_ptr + here * (2 * _SW)
-                    ih = state_i_ptr + here * (2 * _SW)
-                    _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a,
-                                  ch_a, fl_a)
-                    _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b,
-                                  rs_b, cl_b, ch_b, fl_b)
+            (lo_a, hi_a, a_a, b_a, tg_a, kd_a, rp_a, rs_a, st_a, lo_b, hi_b, a_b, b_b, rp_b, rs_b,
+             st_b) = _step_searches(state_f_ptr, state_i_ptr, cnt_ptr, mass_ptr, ext_ptr, start // num_rows,
+                                    pass_index, pass_index - 1, num_rows, num_chunks, row, chunk, row_max, top_p,
+                                    CH, CAP_A, CAP_B)
             on_a = st_a == _SEARCH
             on_b = st_b == _SEARCH
             if on_a | on_b:
-                logits_row = logits_ptr + row * stride_row
-                scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-                grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-                srow = tl.maximum(state_row, 0).to(tl.int64)
+                logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
+                    _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+                                  row, scratch_row, grammar_row, state_row, vocab_size, num_words))
                 piv_a = tl.where(on_a, _pivots(lo_a, hi_a, a_a, b_a), float("inf"))
                 piv_b = tl.where(on_b, _pivots(lo_b, hi_b, a_b, b_b), float("inf"))
                 lo_a = tl.where(on_a, lo_a, float("inf"))
@@ -540,25 +565,25 @@ def _pivot_kernel(
                 mx_b = tl.full([TILE], -float("inf"), tl.float32)
                 for t in range(0, CHUNK // TILE):
                     tile = chunk * (CHUNK // TILE) + t
-                    tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                       other=-float("inf"))
+                    tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
                     if tile_max >= need:
                         cols = tile * TILE + tl.arange(0, TILE)
-                        mask = cols < vocab_size
-                        y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
-                                    seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
-                                    counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
-                        ge_a = y[None, :] >= piv_a[:, None]
-                        acc_ca += ge_a.to(tl.int32)
-                        if with_mass:
-                            acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
-                        acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
-                        in_a = (y >= lo_a) & (y < hi_a)
-                        mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
-                        mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
-                        in_b = (y >= lo_b) & (y < hi_b)
-                        mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
-                        mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
+                        y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
+                                    has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
+                                    has_fp, freq, pres, inv_t)
+                        if tile_max >= lo_a:  # a tile below a bracket adds nothing to its counts
+                            ge_a = y[None, :] >= piv_a[:, None]
+                            acc_ca += ge_a.to(tl.int32)
+                            if with_mass:
+                                acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
+                            in_a = (y >= lo_a) & (y < hi_a)
+                            mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
+                            mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
+                        if tile_max >= lo_b:
+                            acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
+                            in_b = (y >= lo_b) & (y < hi_b)
+                            mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
+                            mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
                 j = tl.arange(0, _PV)
                 out = (here * num_chunks + chunk) * (2 * _PV)
                 tl.store(cnt_ptr + out + j, tl.sum(acc_ca, axis=1))
@@ -607,33 +632,9 @@ def _collect_kernel(
      plain) = _row(fparams_ptr, iparams_ptr, row)
     if stats != 0:
         row_max = tl.load(row_ptr + row * _SW + _R_MAX)
-        prev = last_pass * num_rows + row
-        fa = state_f_ptr + prev * (2 * _SW)
-        ia = state_i_ptr + prev * (2 * _SW)
-        pbase = prev * num_chunks * (2 * _PV)
-        lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _load_search(fa, ia)
-        lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
-            fa + _SW, ia + _SW)
-        if st_a == _SEARCH:
-            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 0,
-                                               num_chunks, CH)
-            lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a = _advance(
-                lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a, fl_a,
-                cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_A, CAP_A)
-        if st_b == _SEARCH:
-            cnt, mass, bmin, bmax = _pass_sums(cnt_ptr + pbase, mass_ptr + pbase, ext_ptr + prev * num_chunks * 4, 1,
-                                               num_chunks, CH)
-            lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _advance(
-                lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b,
-                cnt, mass, bmin, bmax, last_pass, row_max, top_p, CAP_B - _SEG1, 0)
-        if chunk == 0:
-            here = (last_pass + 1) * num_rows + row
-            fh = state_f_ptr + here * (2 * _SW)
-            ih = state_i_ptr + here * (2 * _SW)
-            _store_search(fh, ih, lo_a, hi_a, a_a, b_a, tg_a, tau_a, gl_a, gh_a, st_a, kd_a, rp_a, rs_a, cl_a, ch_a,
-                          fl_a)
-            _store_search(fh + _SW, ih + _SW, lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b,
-                          cl_b, ch_b, fl_b)
+        (lo_a, hi_a, a_a, b_a, tg_a, kd_a, rp_a, rs_a, st_a, lo_b, hi_b, a_b, b_b, rp_b, rs_b,
+         st_b) = _step_searches(state_f_ptr, state_i_ptr, cnt_ptr, mass_ptr, ext_ptr, last_pass, last_pass + 1,
+                                last_pass, num_rows, num_chunks, row, chunk, row_max, top_p, CH, CAP_A, CAP_B)
         # Search A: a ready bracket (never more than CAP_A entries). Search B: any state with a valid pass
         # (an exhausted one is truncated to the lowest indices).
         take_a = (st_a == _READY) | (st_a == _READY_UPPER)
@@ -653,20 +654,16 @@ def _collect_kernel(
             lo_b = tl.where(take_b, lo_b, float("inf"))
             hi_b = tl.where(take_b, hi_b, float("inf"))
             need = tl.minimum(lo_a, lo_b)
-            logits_row = logits_ptr + row * stride_row
-            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-            srow = tl.maximum(state_row, 0).to(tl.int64)
+            logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
+                _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
+                              row, scratch_row, grammar_row, state_row, vocab_size, num_words))
             for t in range(0, CHUNK // TILE):
                 tile = chunk * (CHUNK // TILE) + t
-                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                   other=-float("inf"))
-                if tile_max >= need:
+                if _tile_max(tile_max_ptr, row, tile, num_tiles) >= need:
                     cols = tile * TILE + tl.arange(0, TILE)
-                    mask = cols < vocab_size
-                    y = _load_y(src, logits_row, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar,
-                                seen_ptr + srow * num_words, has_rep, rep, inv_rep, output_ptr + srow * num_words,
-                                counts_ptr + srow * vocab_size, has_fp, freq, pres, inv_t)
+                    y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
+                                has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
+                                has_fp, freq, pres, inv_t)
                     in_a = (y >= lo_a) & (y < hi_a)
                     pos = slot_a + tl.cumsum(in_a.to(tl.int32), axis=0) - 1
                     keep = in_a & (pos < CAP_A)
@@ -860,12 +857,9 @@ def _sample_kernel(
         tau = tl.load(row_ptr + row * _SW + _R_TAU, mask=stats != 0, other=-float("inf"))
         row_max = tl.load(row_ptr + row * _SW + _R_MAX, mask=stats != 0, other=0.0)
         seed = tl.load(seeds_ptr + row)
-        scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-        grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-        srow = tl.maximum(state_row, 0).to(tl.int64)
-        seen_row_ptr = seen_ptr + srow * num_words
-        output_row_ptr = output_ptr + srow * num_words
-        counts_row_ptr = counts_ptr + srow * vocab_size
+        logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
+            _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
+                          scratch_row, grammar_row, state_row, vocab_size, num_words))
         # Dense (large blocks, no per-tile branch) when the tile statistics would skip little.
         dense = stats == 0
         if stats != 0:
@@ -889,8 +883,7 @@ def _sample_kernel(
             kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
             for t in range(0, CHUNK // TILE):
                 tile = chunk * (CHUNK // TILE) + t
-                tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                   other=-float("inf"))
+                tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
                 if (tile_max > -float("inf")) & (tile_max >= tau):
                     best_score, best_index, best_y, kept_mass = _sample_block(
                         tile * TILE, TILE // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
@@ -944,13 +937,9 @@ def _rank_kernel(
                      tl.sum(tl.load(kept_mass_ptr + row * num_chunks + c, mask=cm, other=0.0), axis=0))
         above = index * 0  # an int32 tensor: a loop-carried value must keep its type
         if index < vocab_size:  # the token is kept, so every entry above it is kept too
-            logits_row = logits_ptr + row * stride_row
-            scratch_row_ptr = scratch_ptr + tl.maximum(scratch_row, 0).to(tl.int64) * vocab_size
-            grammar_row_ptr = bitmask_ptr + tl.maximum(grammar_row, 0).to(tl.int64) * num_words
-            srow = tl.maximum(state_row, 0).to(tl.int64)
-            seen_row_ptr = seen_ptr + srow * num_words
-            output_row_ptr = output_ptr + srow * num_words
-            counts_row_ptr = counts_ptr + srow * vocab_size
+            logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
+                _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
+                              scratch_row, grammar_row, state_row, vocab_size, num_words))
             active = _active_tiles(tile_max_ptr, row, chunk, num_tiles, y_token, 1, CHUNK // TILE)
             if active * 4 > CHUNK // TILE:
                 for start in range(0, CHUNK, BLOCK_V):
@@ -961,8 +950,7 @@ def _rank_kernel(
             else:
                 for t in range(0, CHUNK // TILE):
                     tile = chunk * (CHUNK // TILE) + t
-                    tile_max = tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
-                                       other=-float("inf"))
+                    tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
                     if tile_max > y_token:
                         above += _count_above(tile * TILE, TILE, src, logits_row, scratch_row_ptr, grammar_row_ptr,
                                               has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
@@ -981,7 +969,10 @@ def _finish_kernel(
     asks = num_logprobs >= 0
     r = row_ptr + row * _SW
     y_token = tl.load(r + _R_Y_TOKEN, mask=asks, other=-float("inf"))
-    lse = tl.load(r + _R_MAX, mask=asks, other=0.0) + tl.log(tl.load(r + _R_KEPT_MASS, mask=asks, other=1.0))
+    row_max = tl.load(r + _R_MAX, mask=asks, other=0.0)
+    kept_mass = tl.load(r + _R_KEPT_MASS, mask=asks, other=1.0)
+    # A row with no finite logit keeps nothing: its logprobs are -inf whatever lse is (kept finite here).
+    lse = tl.where(kept_mass > 0, row_max, 0.0) + tl.log(tl.where(kept_mass > 0, kept_mass, 1.0))
     logprob = tl.where(asks, tl.where(y_token > -float("inf"), y_token - lse, -float("inf")), 0.0)
     c = tl.arange(0, CH)
     above = tl.load(rank_ptr + row * num_chunks + c, mask=tl.where(asks, c < num_chunks, False), other=0)

@@ -38,24 +38,27 @@ _M32 = 0xFFFF_FFFF
 _FLT_MAX = np.float32(3.4028234663852886e38)
 
 
-def philox_words(counters: np.ndarray, seed: int) -> np.ndarray:
-    """Philox4x32-10 of the counters (c, 0, 0, 0) under the key (seed low word, seed high word): `[4, len]`
-    uint32, the four words Triton's `tl.randint4x(seed, c)` returns."""
-    c = [counters.astype(np.uint64), *(np.zeros_like(counters, np.uint64) for _ in range(3))]
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
+def philox_words(counters: np.ndarray, seeds: int | np.ndarray) -> np.ndarray:
+    """Philox4x32-10 of the counters (c, 0, 0, 0) under the keys (seed low word, seed high word): the four
+    words Triton's `tl.randint4x(seed, c)` returns, `[4, *seeds.shape, len(counters)]` uint32."""
+    seeds = np.asarray(seeds, dtype=np.uint64)[..., None]
+    c = [np.broadcast_to(counters.astype(np.uint64), np.broadcast_shapes(seeds.shape, counters.shape))]
+    c += [np.zeros_like(c[0]) for _ in range(3)]
+    m32 = np.uint64(_M32)
+    k0, k1 = seeds & m32, (seeds >> np.uint64(32)) & m32
     for _ in range(10):
         p0, p1 = np.uint64(0xCD9E8D57) * c[2], np.uint64(0xD2511F53) * c[0]
-        c = [(p0 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p0 & np.uint64(_M32),
-             (p1 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p1 & np.uint64(_M32)]
-        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        c = [(p0 >> np.uint64(32)) ^ c[1] ^ k0, p0 & m32, (p1 >> np.uint64(32)) ^ c[3] ^ k1, p1 & m32]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
     return np.stack(c).astype(np.uint32)
 
 
-def gumbel_log_term(vocab_size: int, seed: int) -> np.ndarray:
-    """`[vocab]` float32 log(-log(u_i)), u_i the uniform of entry i (word i % 4 of counter i // 4, as
-    tl.uint_to_uniform_float maps it), clamped at 1e-20: the Gumbel score of entry i is y_i - this."""
-    index = np.arange(vocab_size)
-    bits = philox_words(index // 4, seed)[index % 4, index].view(np.int32)
+def gumbel_log_terms(vocab_size: int, seeds: int | np.ndarray) -> np.ndarray:
+    """`[*seeds.shape, vocab]` float32 log(-log(u_i)), u_i the uniform of entry i (word i % 4 of counter i // 4,
+    as tl.uint_to_uniform_float maps it), clamped at 1e-20: the Gumbel score of entry i is y_i minus this."""
+    words = philox_words(np.arange(-(-vocab_size // 4)), seeds)  # [4, *seeds.shape, counters]
+    by_entry = np.moveaxis(words, 0, -1)  # [..., counters, 4]: entry 4c + w is word w of counter c
+    bits = by_entry.reshape(*by_entry.shape[:-2], -1)[..., :vocab_size].view(np.int32)
     u = np.where(bits < 0, ~bits, bits).astype(np.float32) * np.float32(4.6566127342e-10)
     return np.log(-np.log(np.maximum(u, np.float32(1e-20))))
 
@@ -135,7 +138,7 @@ def reference_processed_sample(logits: torch.Tensor, params: ProcessedParams, se
         elif f[r, F_TEMPERATURE] <= 0:
             token = int(np.argmax(np.where(kept, y[r], -np.inf)))
         else:
-            score = y[r] - gumbel_log_term(vocab, int(seeds_host[r]))
+            score = y[r] - gumbel_log_terms(vocab, int(seeds_host[r]))
             token = int(np.argmax(np.where(kept, score, -np.inf)))  # the first maximum
         out.tokens[r] = token
         asked = i[r, I_NUM_LOGPROBS]
