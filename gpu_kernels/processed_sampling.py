@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -91,6 +92,7 @@ DEFAULT_TILE = 256
 DEFAULT_NUM_PASSES = 4
 _MIN_CHUNK = 2048  # chunks of at least this many entries: fewer partials for each program to read
 _ENTRY_BLOCK = 64
+_SMALL_SORT = 256  # a threshold bracket of at most this many entries is sorted at this size, not CAP_A
 _STATE_WIDTH = 8
 
 _PV = tl.constexpr(PIVOTS)
@@ -128,9 +130,9 @@ _R_KEPT_MASS = tl.constexpr(7)
 @triton.jit
 def _row(fparams_ptr, iparams_ptr, row):
     """A row's parameters (the F_* and I_* columns) and its int32 0/1 flags: sampled, top-k, top-p, min-p,
-    repetition, frequency/presence, grammar; `src`, where y comes from (0: logits * 1/T, 1: logits through the
-    pipeline, 2: the scratch row); `stats` (it filters or reports logprobs: tile statistics and searches);
-    logprobs; plain (temperature only: gpu_kernels/sampling.py's scan)."""
+    repetition, frequency/presence, grammar; `src`, where y comes from (0: logits * 1/T, 1: with the repetition
+    penalty only, 2: the scratch row, 3: the whole pipeline); `stats` (it filters or reports logprobs: tile
+    statistics and searches); logprobs; plain (temperature only: gpu_kernels/sampling.py's scan)."""
     f = fparams_ptr + row * _NF
     i = iparams_ptr + row * _NI
     temperature = tl.load(f + 0)
@@ -154,7 +156,7 @@ def _row(fparams_ptr, iparams_ptr, row):
     has_grammar = (grammar_row >= 0).to(tl.int32)
     from_scratch = (scratch_row >= 0).to(tl.int32)
     logprobs = (num_logprobs >= 0).to(tl.int32)
-    src = tl.where(from_scratch != 0, 2, tl.where((has_rep | has_fp | has_grammar) != 0, 1, 0))
+    src = tl.where(from_scratch != 0, 2, tl.where((has_fp | has_grammar) != 0, 3, tl.where(has_rep != 0, 1, 0)))
     stats = use_k | use_p | use_minp | logprobs
     plain = tl.where((stats | has_rep | has_fp | has_grammar | from_scratch) != 0, 0, 1)
     return (temperature, tl.load(f + 1), top_p, min_p, rep, tl.load(f + 5), freq, pres, top_k, state_row,
@@ -185,16 +187,21 @@ def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep
 @triton.jit
 def _load_y(src, logits_row_ptr, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
             rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t):
-    """The processed logits y (float32, -inf where `mask` is off) of one row at `cols`."""
+    """The processed logits y (float32, -inf where `mask` is off) of one row at `cols` (`src`: see _row)."""
     if src == 2:
         y = tl.load(scratch_row_ptr + cols, mask=mask, other=-float("inf"))
-    elif src == 1:
+    elif src == 3:
         x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
         y = _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
                       output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, 0.0)
+    elif src == 1:  # the --filtered mix: no grammar or count instructions at all
+        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        seen = (tl.load(seen_row_ptr + (cols >> 5), mask=mask, other=0) >> (cols & 31)) & 1
+        x = tl.where(seen != 0, tl.where(x > 0, x * inv_rep, x * rep), x) * inv_t
+        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
     else:
         x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
-        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)  # _finite, inlined
+        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
     return y
 
 
@@ -379,12 +386,27 @@ def _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, ou
 
 
 @triton.jit
-def _tile_max(tile_max_ptr, row, tile, num_tiles):
-    return tl.load(tile_max_ptr + row * num_tiles + tile, mask=tile < num_tiles, other=-float("inf"))
+def _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, bound, strict, NTC: tl.constexpr):
+    """The maxima `[NTC]` of the chunk's tiles, which of them reach `bound` (exceed it if `strict`; empty tiles
+    never do), how many, and each one's rank among them: one vector load, so a loop over the active tiles
+    waits on no scalar load per tile."""
+    t = chunk * NTC + tl.arange(0, NTC)
+    maxima = tl.load(tile_max_ptr + row * num_tiles + t, mask=t < num_tiles, other=-float("inf"))
+    hit = tl.where(strict != 0, maxima > bound, maxima >= bound) & (maxima > -float("inf"))
+    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    return maxima, hit, tl.sum(hit.to(tl.int32), axis=0), rank
+
+
+@triton.jit
+def _nth_tile(maxima, hit, rank, i, chunk, NTC: tl.constexpr):
+    """(global index, max) of the i-th active tile of the chunk."""
+    t = tl.arange(0, NTC)
+    at = hit & (rank == i)
+    return chunk * NTC + tl.sum(tl.where(at, t, 0), axis=0), tl.max(tl.where(at, maxima, -float("inf")), axis=0)
 
 
 # ============================================================================ kernels, in launch order
-@triton.jit
+@triton.jit(do_not_specialize=["has_last"])  # one compiled variant whatever the value
 def _prepare_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     offsets_ptr, entry_tokens_ptr, entry_bias_ptr, entry_ban_ptr, last_ptr, has_last,
@@ -455,7 +477,7 @@ def _prepare_kernel(
             tl.store(tile_cnt_ptr + offs, tcnt, mask=tm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant whatever the value
 def _plan_kernel(
     fparams_ptr, iparams_ptr, tile_max_ptr, tile_min_ptr, tile_sum_ptr, tile_cnt_ptr, state_f_ptr, state_i_ptr,
     row_ptr, num_rows, num_tiles, NT: tl.constexpr,
@@ -520,7 +542,7 @@ def _plan_kernel(
         tl.store(row_ptr + row * _SW + _R_TAU, -float("inf"))  # the resolve step sets it for the other rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pass_index", "num_rows"])  # one compiled variant whatever the value
 def _pivot_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
@@ -563,27 +585,26 @@ def _pivot_kernel(
                 mx_a = tl.full([TILE], -float("inf"), tl.float32)
                 mn_b = tl.full([TILE], float("inf"), tl.float32)
                 mx_b = tl.full([TILE], -float("inf"), tl.float32)
-                for t in range(0, CHUNK // TILE):
-                    tile = chunk * (CHUNK // TILE) + t
-                    tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
-                    if tile_max >= need:
-                        cols = tile * TILE + tl.arange(0, TILE)
-                        y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
-                                    has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
-                                    has_fp, freq, pres, inv_t)
-                        if tile_max >= lo_a:  # a tile below a bracket adds nothing to its counts
-                            ge_a = y[None, :] >= piv_a[:, None]
-                            acc_ca += ge_a.to(tl.int32)
-                            if with_mass:
-                                acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
-                            in_a = (y >= lo_a) & (y < hi_a)
-                            mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
-                            mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
-                        if tile_max >= lo_b:
-                            acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
-                            in_b = (y >= lo_b) & (y < hi_b)
-                            mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
-                            mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
+                maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, need, 0, CHUNK // TILE)
+                for i in range(0, n_hit):
+                    tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, CHUNK // TILE)
+                    cols = tile * TILE + tl.arange(0, TILE)
+                    y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
+                                has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
+                                has_fp, freq, pres, inv_t)
+                    if tile_max >= lo_a:  # a tile below a bracket adds nothing to its counts
+                        ge_a = y[None, :] >= piv_a[:, None]
+                        acc_ca += ge_a.to(tl.int32)
+                        if with_mass:
+                            acc_ma += tl.where(ge_a, tl.exp(y - row_max)[None, :], 0.0)
+                        in_a = (y >= lo_a) & (y < hi_a)
+                        mn_a = tl.minimum(mn_a, tl.where(in_a, y, float("inf")))
+                        mx_a = tl.maximum(mx_a, tl.where(in_a, y, -float("inf")))
+                    if tile_max >= lo_b:
+                        acc_cb += (y[None, :] >= piv_b[:, None]).to(tl.int32)
+                        in_b = (y >= lo_b) & (y < hi_b)
+                        mn_b = tl.minimum(mn_b, tl.where(in_b, y, float("inf")))
+                        mx_b = tl.maximum(mx_b, tl.where(in_b, y, -float("inf")))
                 j = tl.arange(0, _PV)
                 out = (here * num_chunks + chunk) * (2 * _PV)
                 tl.store(cnt_ptr + out + j, tl.sum(acc_ca, axis=1))
@@ -618,7 +639,7 @@ def _chunk_base(cnt_ptr, num_chunks, chunk, slot, s, CH: tl.constexpr):
     return tl.sum(tl.where(before, n_lo, 0), axis=0), tl.sum(tl.where(before, n_hi, 0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["last_pass", "num_rows"])  # one compiled variant whatever the value
 def _collect_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
@@ -657,31 +678,31 @@ def _collect_kernel(
             logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
                 _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
                               row, scratch_row, grammar_row, state_row, vocab_size, num_words))
-            for t in range(0, CHUNK // TILE):
-                tile = chunk * (CHUNK // TILE) + t
-                if _tile_max(tile_max_ptr, row, tile, num_tiles) >= need:
-                    cols = tile * TILE + tl.arange(0, TILE)
-                    y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
-                                has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
-                                has_fp, freq, pres, inv_t)
-                    in_a = (y >= lo_a) & (y < hi_a)
-                    pos = slot_a + tl.cumsum(in_a.to(tl.int32), axis=0) - 1
-                    keep = in_a & (pos < CAP_A)
-                    tl.store(val_a_ptr + row * CAP_A + pos, y, mask=keep)
-                    tl.store(id_a_ptr + row * CAP_A + pos, cols, mask=keep)
-                    slot_a += tl.sum(in_a.to(tl.int32), axis=0)
-                    above_b = y >= hi_b
-                    pos = slot_b1 + tl.cumsum(above_b.to(tl.int32), axis=0) - 1
-                    keep = above_b & (pos < _SEG1)
-                    tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
-                    tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
-                    slot_b1 += tl.sum(above_b.to(tl.int32), axis=0)
-                    in_b = (y >= lo_b) & (y < hi_b)
-                    pos = slot_b2 + tl.cumsum(in_b.to(tl.int32), axis=0) - 1
-                    keep = in_b & (pos < CAP_B)
-                    tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
-                    tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
-                    slot_b2 += tl.sum(in_b.to(tl.int32), axis=0)
+            maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, need, 0, CHUNK // TILE)
+            for i in range(0, n_hit):  # ascending tile order: the slots stay in index order
+                tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, CHUNK // TILE)
+                cols = tile * TILE + tl.arange(0, TILE)
+                y = _load_y(src, logits_row, scratch_row_ptr, cols, cols < vocab_size, grammar_row_ptr,
+                            has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr,
+                            has_fp, freq, pres, inv_t)
+                in_a = (y >= lo_a) & (y < hi_a)
+                pos = slot_a + tl.cumsum(in_a.to(tl.int32), axis=0) - 1
+                keep = in_a & (pos < CAP_A)
+                tl.store(val_a_ptr + row * CAP_A + pos, y, mask=keep)
+                tl.store(id_a_ptr + row * CAP_A + pos, cols, mask=keep)
+                slot_a += tl.sum(in_a.to(tl.int32), axis=0)
+                above_b = y >= hi_b
+                pos = slot_b1 + tl.cumsum(above_b.to(tl.int32), axis=0) - 1
+                keep = above_b & (pos < _SEG1)
+                tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
+                tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
+                slot_b1 += tl.sum(above_b.to(tl.int32), axis=0)
+                in_b = (y >= lo_b) & (y < hi_b)
+                pos = slot_b2 + tl.cumsum(in_b.to(tl.int32), axis=0) - 1
+                keep = in_b & (pos < CAP_B)
+                tl.store(val_b_ptr + row * CAP_B + pos, y, mask=keep)
+                tl.store(id_b_ptr + row * CAP_B + pos, cols, mask=keep)
+                slot_b2 += tl.sum(in_b.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -699,10 +720,36 @@ def _sorted_entries(val_ptr, id_ptr, valid, SIZE: tl.constexpr):
 
 
 @triton.jit
+def _buffer_threshold(val_ptr, id_ptr, n, upper, kind, target, top_k, top_p, c_hi, g_hi, lo, row_max, flags,
+                      SIZE: tl.constexpr):
+    """The exact threshold from the `n` (<= SIZE) collected entries of a search A buffer: the upper set of a
+    top-k-then-top-p search (`upper`), or the bracket [lo, hi) of a count or mass search, whose count and mass
+    at hi are `c_hi` and `g_hi`. Returns (tau, flags | 1 if rounding made the mass search miss)."""
+    slots = tl.arange(0, SIZE)
+    values, ids, ok = _sorted_entries(val_ptr, id_ptr, slots < n, SIZE)
+    w = tl.where(ok, tl.exp(values - row_max), 0.0)
+    mass_before = tl.cumsum(w, axis=0)
+    if upper:  # top-k, then top-p over its mass
+        tau_k = _pick(values, top_k - 1)
+        in_k = ok & (values >= tau_k)
+        g_k = tl.sum(tl.where(in_k, w, 0.0), axis=0)
+        last_k = tl.sum(in_k.to(tl.int32), axis=0) - 1
+        found = tl.min(tl.where((mass_before >= top_p * g_k) & ok, slots, SIZE), axis=0)
+        tau = _pick(values, tl.minimum(found, last_k))
+    elif kind == _MASS:
+        found = tl.min(tl.where(((g_hi + mass_before) >= target) & ok, slots, SIZE), axis=0)
+        tau = tl.where(found < SIZE, _pick(values, found), lo)
+        flags = tl.where(found < SIZE, flags, 1)
+    else:
+        tau = _pick(values, target.to(tl.int32) - c_hi - 1)
+    return tau, flags
+
+
+@triton.jit(do_not_specialize=["final_pass", "num_rows"])  # one compiled variant whatever the value
 def _resolve_kernel(
     fparams_ptr, iparams_ptr, state_f_ptr, state_i_ptr, row_ptr, val_a_ptr, id_a_ptr, val_b_ptr, id_b_ptr,
     top_v_ptr, top_id_ptr, flags_ptr, final_pass, num_rows, NB: tl.constexpr, CAP_A: tl.constexpr,
-    CAP_B: tl.constexpr,
+    CAP_B: tl.constexpr, SMALL_A: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
@@ -721,24 +768,13 @@ def _resolve_kernel(
         flags = tl.where((status == _SEARCH) | ((sflags & _ROUNDED) != 0), 1, 0)
         if (status == _READY) | (status == _READY_UPPER):
             upper = status == _READY_UPPER
-            slots = tl.arange(0, CAP_A)
             n = tl.where(upper, c_lo, c_lo - c_hi)
-            values, ids, ok = _sorted_entries(val_a_ptr + row * CAP_A, id_a_ptr + row * CAP_A, slots < n, CAP_A)
-            w = tl.where(ok, tl.exp(values - row_max), 0.0)
-            mass_before = tl.cumsum(w, axis=0)
-            if upper:  # top-k then top-p, both from the sorted upper set
-                tau_k = _pick(values, top_k - 1)
-                in_k = ok & (values >= tau_k)
-                g_k = tl.sum(tl.where(in_k, w, 0.0), axis=0)
-                last_k = tl.sum(in_k.to(tl.int32), axis=0) - 1
-                found = tl.min(tl.where((mass_before >= top_p * g_k) & ok, slots, CAP_A), axis=0)
-                tau_a = _pick(values, tl.minimum(found, last_k))
-            elif kind == _MASS:
-                found = tl.min(tl.where(((g_hi + mass_before) >= target) & ok, slots, CAP_A), axis=0)
-                tau_a = tl.where(found < CAP_A, _pick(values, found), lo)
-                flags = tl.where(found < CAP_A, flags, 1)
+            if n <= SMALL_A:  # the usual bracket: a smaller sort
+                tau_a, flags = _buffer_threshold(val_a_ptr + row * CAP_A, id_a_ptr + row * CAP_A, n, upper, kind,
+                                                 target, top_k, top_p, c_hi, g_hi, lo, row_max, flags, SMALL_A)
             else:
-                tau_a = _pick(values, target.to(tl.int32) - c_hi - 1)
+                tau_a, flags = _buffer_threshold(val_a_ptr + row * CAP_A, id_a_ptr + row * CAP_A, n, upper, kind,
+                                                 target, top_k, top_p, c_hi, g_hi, lo, row_max, flags, CAP_A)
         tau_row = tl.maximum(tau_a, tau_min)
         tl.store(r + _R_TAU, tau_row)
         lo_b, hi_b, a_b, b_b, tg_b, tau_b, gl_b, gh_b, st_b, kd_b, rp_b, rs_b, cl_b, ch_b, fl_b = _load_search(
@@ -819,15 +855,6 @@ def _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size):
 
 
 @triton.jit
-def _active_tiles(tile_max_ptr, row, chunk, num_tiles, bound, strict, NTC: tl.constexpr):
-    """How many of the chunk's tiles have a max at or above `bound` (above it if `strict`)."""
-    t = chunk * NTC + tl.arange(0, NTC)
-    m = tl.load(tile_max_ptr + row * num_tiles + t, mask=t < num_tiles, other=-float("inf"))
-    hit = tl.where(strict != 0, m > bound, m >= bound) & (m > -float("inf"))
-    return tl.sum(hit.to(tl.int32), axis=0)
-
-
-@triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, seeds_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr,
     counts_ptr, tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr,
@@ -860,11 +887,9 @@ def _sample_kernel(
         logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
             _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
                           scratch_row, grammar_row, state_row, vocab_size, num_words))
-        # Dense (large blocks, no per-tile branch) when the tile statistics would skip little.
-        dense = stats == 0
-        if stats != 0:
-            dense = _active_tiles(tile_max_ptr, row, chunk, num_tiles, tau, 0, CHUNK // TILE) * 4 > CHUNK // TILE
-        if dense:
+        # Dense (large blocks over the whole chunk) when the tile statistics would skip little, or do not exist.
+        maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, tau, 0, CHUNK // TILE)
+        if (stats == 0) | (n_hit * 4 > CHUNK // TILE):
             best_score = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
             best_index = tl.full([BLOCK_V // 4, 4], vocab_size, tl.int32)
             best_y = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
@@ -881,15 +906,13 @@ def _sample_kernel(
             best_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
             best_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
             kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
-            for t in range(0, CHUNK // TILE):
-                tile = chunk * (CHUNK // TILE) + t
-                tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
-                if (tile_max > -float("inf")) & (tile_max >= tau):
-                    best_score, best_index, best_y, kept_mass = _sample_block(
-                        tile * TILE, TILE // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
-                        seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres,
-                        inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
-                        kept_mass)
+            for i in range(0, n_hit):
+                tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, CHUNK // TILE)
+                best_score, best_index, best_y, kept_mass = _sample_block(
+                    tile * TILE, TILE // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
+                    seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres,
+                    inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
+                    kept_mass)
             top, index, y_index, mass = _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size)
         tl.store(best_score_ptr + out, top)
         tl.store(best_index_ptr + out, index)
@@ -940,21 +963,19 @@ def _rank_kernel(
             logits_row, scratch_row_ptr, grammar_row_ptr, seen_row_ptr, output_row_ptr, counts_row_ptr = (
                 _row_pointers(logits_ptr, stride_row, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr, row,
                               scratch_row, grammar_row, state_row, vocab_size, num_words))
-            active = _active_tiles(tile_max_ptr, row, chunk, num_tiles, y_token, 1, CHUNK // TILE)
-            if active * 4 > CHUNK // TILE:
+            maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, y_token, 1, CHUNK // TILE)
+            if n_hit * 4 > CHUNK // TILE:
                 for start in range(0, CHUNK, BLOCK_V):
                     above += _count_above(chunk * CHUNK + start, BLOCK_V, src, logits_row, scratch_row_ptr,
                                           grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
                                           output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size,
                                           y_token)
             else:
-                for t in range(0, CHUNK // TILE):
-                    tile = chunk * (CHUNK // TILE) + t
-                    tile_max = _tile_max(tile_max_ptr, row, tile, num_tiles)
-                    if tile_max > y_token:
-                        above += _count_above(tile * TILE, TILE, src, logits_row, scratch_row_ptr, grammar_row_ptr,
-                                              has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
-                                              counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size, y_token)
+                for i in range(0, n_hit):
+                    tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, CHUNK // TILE)
+                    above += _count_above(tile * TILE, TILE, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                                          has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
+                                          counts_row_ptr, has_fp, freq, pres, inv_t, vocab_size, y_token)
         tl.store(rank_ptr + row * num_chunks + chunk, above)
 
 
@@ -1092,6 +1113,31 @@ def choose_processed_chunk_size(rows: int, vocab: int, num_sms: int, tile_size: 
                               triton.next_power_of_2(vocab)))
 
 
+def processed_chunk_representatives(max_rows: int, vocab: int, num_sms: int, tile_size: int = DEFAULT_TILE
+                                    ) -> list[int]:
+    """The smallest row count of each distinct `choose_processed_chunk_size` over 1..`max_rows` rows: every
+    compile-time constant of the kernels follows from the chunk size (and the workspace), so one call at each
+    compiles what any batch of up to `max_rows` rows needs."""
+    firsts: dict[int, int] = {}
+    for rows in range(1, max_rows + 1):
+        firsts.setdefault(choose_processed_chunk_size(rows, vocab, num_sms, tile_size), rows)
+    return sorted(firsts.values())
+
+
+def compile_for_batches(max_rows: int, dtype: torch.dtype, workspace: ProcessedSamplingWorkspace,
+                        num_top: int = 0) -> None:
+    """Compile `processed_sample` for every batch of 1..`max_rows` rows of `dtype` logits (a compile holds a step
+    for a second or so; call this at start-up). The row types take scalar branches inside the same kernels, so
+    one batch of any rows compiles them all. A CUDA graph of n rows still needs one eager call at n first, which
+    allocates that batch's buffers in the workspace."""
+    device, vocab = workspace.device, workspace.vocab_size
+    for rows in processed_chunk_representatives(max_rows, vocab, _num_sms(device), workspace.tile_size):
+        params = ProcessedParams.from_arrays(np.ones(rows, np.float32), vocab, device, top_k=np.ones(rows),
+                                             num_logprobs=np.full(rows, num_top))
+        processed_sample(torch.zeros(rows, vocab, dtype=dtype, device=device), params,
+                         torch.zeros(rows, dtype=torch.int64, device=device), workspace=workspace, num_top=num_top)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -1196,7 +1242,7 @@ def processed_sample(
                           CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, num_warps=4)
     _resolve_kernel[rows](fp, ip, b["state_f"], b["state_i"], b["row"], b["val_a"], b["id_a"], b["val_b"], b["id_b"],
                           b["top_v"], b["top_id"], b["flags"], ws.num_passes + 1, n, NB=MAX_TOP, CAP_A=ws.cap_a,
-                          CAP_B=ws.cap_b, num_warps=4)
+                          CAP_B=ws.cap_b, SMALL_A=min(_SMALL_SORT, ws.cap_a), num_warps=4)
     partials = (b["best_score"], b["best_index"], b["best_y"], b["kept_mass"])
     _sample_kernel[grid](*common, seeds, *inputs, b["tile_max"], b["row"], *partials, num_chunks, vocab, num_words,
                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, BLOCK_V=min(2048, chunk_size), num_warps=4)

@@ -19,6 +19,8 @@ from gpu_kernels.processed_sampling import (  # noqa: E402
     SEG1,
     ProcessedSample,
     ProcessedSamplingWorkspace,
+    compile_for_batches,
+    processed_chunk_representatives,
     processed_sample,
 )
 from gpu_kernels.processed_sampling_reference import (  # noqa: E402
@@ -218,21 +220,24 @@ def test_plain_rows_get_the_tokens_of_sample_candidates() -> None:
 
 
 def test_any_chunk_and_tile_size_gives_the_same_result() -> None:
+    """Three tilings, chunkings and buffer sizes, the same results; with the 512-entry buffer the top-k 300 row
+    collects its ~300-entry upper set and sorts it at the full size (above the 256 of the usual brackets)."""
     vocab = 700
     rows = {name: FILTER_ROWS[name] for name in ("top-k", "top-p", "all three", "min-p", "greedy+logprobs",
-                                                 "flat top-p", "plain")}
+                                                 "flat top-p", "plain")} | {"top-k 300+top-p": (1.0, 300, 0.9, 0, 2)}
     logits = bf16_logits(len(rows), vocab, 9)
     params = filter_params(vocab, rows)
     seeds = torch.arange(len(rows), dtype=torch.int64, device=DEVICE) + 100
-    results = [processed_sample(logits, params, seeds, workspace=workspace(vocab, tile_size=tile), num_top=5,
-                                chunk_size=chunk) for tile, chunk in ((32, 64), (64, 1024), (128, 256))]
-    first = results[0]
-    for other in results[1:]:
-        assert torch.equal(other.tokens, first.tokens) and torch.equal(other.ranks, first.ranks)
-        assert torch.equal(other.top_ids, first.top_ids)
-        y = reference_processed_sample(logits, params, seeds).y
-        assert (((y >= other.thresholds.cpu().numpy()[:, None]) == (y >= first.thresholds.cpu().numpy()[:, None]))
-                | (y == -np.inf)).all()
+    results = []
+    for tile, chunk, cap in ((32, 64, 128), (64, 1024, 128), (128, 256, 512)):
+        ws = workspace(vocab, tile_size=tile, threshold_capacity=cap, num_passes=6)
+        results.append(run(logits, params, seeds, ws, chunk_size=chunk))
+    for out, ref in results:
+        assert_matches(out, ref)
+    first = results[0][0]
+    for other, _ in results[1:]:
+        for name in ("tokens", "ranks", "top_ids"):
+            assert torch.equal(getattr(other, name), getattr(first, name)), name
         torch.testing.assert_close(other.logprobs, first.logprobs, rtol=0, atol=1e-5)
 
 
@@ -414,6 +419,11 @@ def test_the_step_inputs_give_what_workers_logits_processing_gives() -> None:
     lp, rank, top_lp, top_ids = token_logprobs(today[np.searchsorted(rows, asked)], out.tokens[asked].cpu(), 3)
     torch.testing.assert_close(out.logprobs[asked].cpu(), lp, rtol=0, atol=1e-3)
     assert torch.equal(out.ranks[asked].cpu(), rank)
+
+
+def test_the_warm_up_covers_every_chunk_size_once() -> None:
+    assert processed_chunk_representatives(256, 151936, 132) == [1, 7, 14]  # chunks of 2048, 4096, 8192
+    compile_for_batches(3, torch.float32, workspace(300), num_top=2)  # must not raise
 
 
 def test_bad_inputs_are_refused() -> None:
