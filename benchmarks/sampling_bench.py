@@ -9,6 +9,8 @@ Cases (every row of a batch alike, temperature 0.6):
   filtered     throughput.py's --filtered mix: top_p 0.9, top_k 50, repetition 1.1, logprobs 5
   top_p        top_p 0.95 alone
   top_p flat   top_p 0.95 on flat logits: the threshold lies in the bulk, so the pivot passes read whole rows
+  target       issue 31's target (at most 0.25 ms at batch 256): top_k 50, top_p 0.9, min_p 0.05, repetition 1.1,
+               frequency 0.5, presence 0.5, logprobs 5
   everything   top_k 50, top_p 0.9, min_p 0.05, repetition 1.1, frequency 0.5, presence 0.5, three logit-bias
                entries and a ban, a grammar bitmask allowing half the vocabulary, logprobs 5
 Today's path is what the engine runs for processed rows at TP=1: a float32 copy of the rows,
@@ -54,6 +56,8 @@ CASES = {
     "filtered": SamplingOptions(top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5),
     "top_p": SamplingOptions(top_p=0.95),
     "top_p flat": SamplingOptions(top_p=0.95),
+    "target": SamplingOptions(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5,
+                              presence_penalty=0.5, logprobs=5),
     "everything": SamplingOptions(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5,
                                   presence_penalty=0.5, logit_bias={11: 2.0, 300: -1.0, 450: 3.0}, bad_words=[[77]],
                                   logprobs=5),
