@@ -95,7 +95,7 @@ def _row(fparams_ptr, iparams_ptr, row):
 @triton.jit
 def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr,
               counts_row_ptr, has_fp, freq, pres, inv_t, bias):
-    """Steps 1-5 of the module docstring on logits `x` (float32, any shape) at vocabulary indices `cols`;
+    """Steps 1-5 of gpu_kernels/processed_sampling.py's semantics on logits `x` (float32, any shape) at indices `cols`;
     `bias` is added after the grammar (0 for a dense tile). The bit loads of unused steps are masked off.
     NaN becomes -inf (it never wins) and +inf the largest float (tied at the top)."""
     # (A vector mask combines with a scalar flag through tl.where: the interpreter mistypes `mask & flag`.)
@@ -108,7 +108,7 @@ def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep
     generated = (tl.load(output_row_ptr + words, mask=tl.where(has_fp != 0, mask, False), other=0) >> bit) & 1
     count = tl.load(counts_row_ptr + cols, mask=mask & (generated != 0), other=0).to(tl.float32)
     x = (x - freq * count - pres * (count > 0).to(tl.float32)) * inv_t
-    return tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)  # _finite, inlined
+    return tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
 
 
 @triton.jit

@@ -329,9 +329,10 @@ class PenaltyBits:
     def record(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record one sampled token per row on the device: seen, generated, counted once more.
 
-        state_rows `[n]` int (-1: skip the row, e.g. `ProcessedParams.ints[:, I_STATE_ROW]` of rows without
-        penalties set to -1), tokens `[n]` int64. One launch, no host synchronisation (capturable). Two rows
-        may share a state row: the updates are atomic."""
+        state_rows `[n]` int (-1: skip the row), tokens `[n]` int64. Passing `ProcessedParams.ints[:, I_STATE_ROW]`
+        as is also records rows without penalties: harmless, since a penalized request's row is rebuilt by
+        `reset_rows` when it takes the row, and only penalized rows are read. One launch, no host
+        synchronisation (capturable); the updates are atomic, so two rows may share a state row."""
         n = state_rows.shape[0]
         if not n:
             return
