@@ -29,7 +29,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError, quote, shorten
-from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred
+from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred, trim_heap
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     ERROR_ENGINE_DOWN,
@@ -159,6 +159,8 @@ class FrontendProcess:
                 self._abort_silent_clients()
                 self.profiling.poll()
                 ipc.send(self.to_scheduler, Ping())  # the scheduler takes a silent frontend for a stopped one
+                if not self.requests:
+                    trim_heap()
                 next_check = time.monotonic() + 1.0
 
     def _reply(self, client: bytes, msg: object) -> None:
