@@ -146,6 +146,28 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the free pages of the C heap back to the OS (glibc `malloc_trim(0)`; nothing without glibc).
+
+    glibc keeps freed memory for reuse, and memory freed under live allocations cannot shrink the heap: after a
+    burst of 10,000 requests the frontend kept +14 MiB, and after replies of 1 MB queued to a client that left,
+    +21 MiB, the same after every later round (allocator retention, not a leak). Each engine process calls this
+    at its once-a-second tick while it has no request: 4 us when there is nothing to give back."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 @contextlib.contextmanager
 def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
     """Run the body under cProfile and write `<profile_dir>/<name>.prof` when it ends."""

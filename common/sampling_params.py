@@ -75,6 +75,12 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or true), got "
                              f"{quote(self.json)}")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json, allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as exc:  # bytes, NaN, a map key that is a list, ...
+                raise ValueError(f"structured_outputs.json is not a JSON document ({exc}): "
+                                 f"{quote(self.json)}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):

@@ -29,7 +29,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError, quote, shorten
-from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred
+from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred, trim_heap
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     ERROR_ENGINE_DOWN,
@@ -159,6 +159,8 @@ class FrontendProcess:
                 self._abort_silent_clients()
                 self.profiling.poll()
                 ipc.send(self.to_scheduler, Ping())  # the scheduler takes a silent frontend for a stopped one
+                if not self.requests:
+                    trim_heap()
                 next_check = time.monotonic() + 1.0
 
     def _reply(self, client: bytes, msg: object) -> None:
@@ -222,6 +224,10 @@ class FrontendProcess:
             log.exception("could not tell the clients that the engine is shutting down")
 
     def _handle_client(self, client: bytes, raw: bytes) -> None:
+        """Answer one client message. Every message but an `Abort` gets a reply, and every request of a
+        `Submit` its output or a refusal (docs/failures.md: every request message is answered): a fault
+        of this process's while handling one message is logged and told to its sender as an `ErrorReply`,
+        instead of leaving the client waiting or ending the engine."""
         self.last_seen[client] = time.monotonic()
         try:
             msg = decode(raw)
@@ -229,6 +235,16 @@ class FrontendProcess:
             log.warning("malformed message from a client: %s", shorten(str(exc)))
             self._reply(client, ErrorReply(shorten(f"malformed message: {exc}")))
             return
+        try:
+            self._dispatch(client, msg)
+        except zmq.ZMQError:  # this process's sockets are broken: it cannot serve anyone
+            raise
+        except Exception as exc:
+            log.exception("failed on a %s from a client", type(msg).__name__)
+            self._reply(client, ErrorReply(shorten(f"{INTERNAL_ERROR}{type(msg).__name__}: {type(exc).__name__}: "
+                                                   f"{exc}")))
+
+    def _dispatch(self, client: bytes, msg: object) -> None:
         if isinstance(msg, Submit):
             self._submit(client, msg)
         elif isinstance(msg, Abort):
@@ -255,15 +271,21 @@ class FrontendProcess:
             self._reply(client, ErrorReply(f"a client cannot send {type(msg).__name__}"))
 
     def _submit(self, client: bytes, msg: Submit) -> None:
+        """Validate each request of `msg`, then register and forward the accepted ones together: nothing is
+        registered before every request has its verdict, so no request can be left registered but unsent."""
+        if not msg.requests:
+            self._reply(client, ErrorReply("Submit.requests is empty: a submission needs at least one request"))
+            return
         self.phases.begin("tokenize")
-        accepted: list[EngineRequest] = []
+        accepted: list[tuple[EngineRequest, RequestState]] = []
         rejected: list[RequestOutput] = []
         taken: list[str] = []  # ids of live requests: refused apart, so that no output reads as the live one's
+        accepted_ids: set[str] = set()
         beat = time.monotonic()
         cap = self.config.max_waiting_requests
         for i, req in enumerate(msg.requests):
             if len(req.request_id) > MAX_REQUEST_ID_CHARS:  # not echoed back: the client gets no output for it
-                self._reply(client, ErrorReply(f"request {i} of the submission is refused: its request_id has "
+                self._reply(client, ErrorReply(f"Submit.requests[{i}] is refused: its request_id has "
                                                f"{len(req.request_id)} characters, at most {MAX_REQUEST_ID_CHARS} "
                                                f"are allowed ({quote(req.request_id)})"))
                 continue
@@ -278,43 +300,46 @@ class FrontendProcess:
                 for waiting in self.last_seen:
                     self._reply(waiting, Pong(0))
                 ipc.send(self.to_scheduler, Ping())
-            if (client, req.request_id) in self.by_client:
+            if (client, req.request_id) in self.by_client or req.request_id in accepted_ids:
                 taken.append(req.request_id)
                 continue
             try:
-                engine_req, state = self.validator.validate(client, req)
+                accepted.append(self.validator.validate(client, req))
             except ValueError as exc:
-                rejected.append(RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                              error=shorten(str(exc)),
-                                              num_prompt_tokens=getattr(exc, "num_prompt_tokens", 0),
-                                              error_type=ERROR_INVALID_REQUEST))
-                self.stats.num_finished["error"] += 1
+                rejected.append(self._refused(req.request_id, str(exc), getattr(exc, "num_prompt_tokens", 0)))
                 continue
-            self._register(state)
-            accepted.append(engine_req)
+            except Exception as exc:  # a fault of ours, told to this request's client alone
+                log.exception("failed validating request %s", quote(req.request_id))
+                rejected.append(self._refused(req.request_id, f"{INTERNAL_ERROR}{type(exc).__name__}: {exc}"))
+                continue
+            accepted_ids.add(req.request_id)
         if (rejected or taken) and accepted and msg.all_or_nothing:  # the valid ones fail with the batch
             first = rejected[0].request_id if rejected else taken[0]
             why = f"{NOT_RUN}request {quote(first)} of the same all-or-nothing submission was rejected"
-            for engine_req in accepted:
-                state = self.requests.pop(engine_req.seq_id)
-                del self.by_client[(client, state.request_id)]
-                for i in range(len(state.samples)):
-                    del self.samples[state.seq_id + i]
-                rejected.append(RequestOutput(state.request_id, finished=True, finish_reason="error", error=why,
-                                              error_type=rejected[0].error_type if rejected else ERROR_INVALID_REQUEST))
-                self.stats.num_finished["error"] += 1
+            error_type = rejected[0].error_type if rejected else ERROR_INVALID_REQUEST
+            for _, state in accepted:
+                rejected.append(self._refused(state.request_id, why))
+                rejected[-1].error_type = error_type
             accepted = []
+        for _, state in accepted:
+            self._register(state)
         if accepted:
-            self.not_started.update(r.seq_id for r in accepted)
-            ipc.send(self.to_scheduler, AddRequests(accepted))
+            self.not_started.update(r.seq_id for r, _ in accepted)
+            ipc.send(self.to_scheduler, AddRequests([r for r, _ in accepted]))
         if rejected:
             self._reply(client, RequestOutputs(rejected))
         if taken:
             self._reply(client, ErrorReply(
                 f"refused {count(len(taken), 'submitted request')} without running: the id of each is that of a "
-                f"live request of this client, which goes on (a request id must be unique among the client's live "
-                f"requests): {quote(taken)}", refused_request_ids=taken))
+                f"live request of this client, or of an earlier request of the same submission (a request id must "
+                f"be unique among the client's live requests): {quote(taken)}", refused_request_ids=taken))
         self.phases.end()
+
+    def _refused(self, request_id: str, why: str, num_prompt_tokens: int = 0) -> RequestOutput:
+        """The one output of a request refused before it was queued (counted as finished with an error)."""
+        self.stats.num_finished["error"] += 1
+        return RequestOutput(request_id, finished=True, finish_reason="error", error=shorten(why),
+                             num_prompt_tokens=num_prompt_tokens, error_type=ERROR_INVALID_REQUEST)
 
     def _register(self, state: RequestState) -> None:
         self.requests[state.seq_id] = state
@@ -457,6 +482,8 @@ class FrontendProcess:
                 os.unlink(self.client_address[len("ipc://"):])
 
 
+# The start of the error of a message or request this process failed on (a bug, logged with its traceback).
+INTERNAL_ERROR = "internal error of the frontend (a bug; logged): "
 LAUNCHER_GONE = "the launcher (the engine's parent process) is gone: it was killed or crashed"
 
 

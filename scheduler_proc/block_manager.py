@@ -33,11 +33,17 @@ from scheduler_proc.sequence import Sequence
 NO_HASH = -1
 
 
+def token_bytes(token_ids: SequenceABC[int]) -> bytes:
+    """One block's token ids as int32 LE bytes: what its hash covers, and how a cached block keeps them (97 bytes
+    for 16 tokens, where a tuple of Python ints took 632: the index of a full cache holds one per block)."""
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
 def hash_block(token_ids: SequenceABC[int], parent_hash: int) -> int:
     """Chained 64-bit hash of one full block: xxh64(parent hash (8 bytes LE) + token ids (int32 LE))."""
     h = xxhash.xxh64()
     h.update(parent_hash.to_bytes(8, "little", signed=True))
-    h.update(np.asarray(token_ids, dtype="<i4").tobytes())
+    h.update(token_bytes(token_ids))
     return h.intdigest() & 0x7FFF_FFFF_FFFF_FFFF  # keep it a non-negative msgpack/int64 value
 
 
@@ -49,7 +55,7 @@ class Block:
         self.ref_count = 0
         self.hash = NO_HASH
         self.parent_hash = NO_HASH
-        self.token_ids: tuple[int, ...] = ()  # the tokens hashed into `hash` (empty when unhashed)
+        self.token_ids = b""  # the tokens hashed into `hash`, as `token_bytes` (empty when unhashed)
 
 
 class BlockManager:
@@ -104,7 +110,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block.token_ids != token_bytes(seq.token_ids[i * bs:(i + 1) * bs]):
                 break  # a hash collision: never serve another prefix's KV
             hits.append(block_id)
         return hits
@@ -129,7 +135,7 @@ class BlockManager:
             if existing is None:
                 block.hash = h
                 block.parent_hash = hashes[i - 1] if i else NO_HASH
-                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.token_ids = token_bytes(seq.token_ids[i * bs:(i + 1) * bs])
                 self.hash_to_block_id[h] = block.block_id
         seq.num_hashed_blocks = num_ready
 
@@ -143,7 +149,7 @@ class BlockManager:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
             block.hash = block.parent_hash = NO_HASH
-            block.token_ids = ()
+            block.token_ids = b""
         block.ref_count = 1
         return block_id
 
@@ -223,5 +229,5 @@ class BlockManager:
         for h, block_id in self.hash_to_block_id.items():
             block = self.blocks[block_id]
             assert block.hash == h, f"hash entry {h} -> block {block_id} whose hash is {block.hash}"
-            assert hash_block(block.token_ids, block.parent_hash) == h, (
+            assert hash_block(np.frombuffer(block.token_ids, "<i4"), block.parent_hash) == h, (
                 f"block {block_id} holds tokens that do not hash to its entry {h}")

@@ -28,7 +28,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.proc import StepLog, engine_process_main
+from common.proc import StepLog, engine_process_main, trim_heap
 from common.profiling import SchedulerProfiling, run_id_of
 from common.protocol import (
     AbortSeqs,
@@ -157,6 +157,8 @@ class SchedulerProcess:
             if time.monotonic() >= next_beat:  # the frontend takes a silent scheduler for a stopped one
                 ipc.send(self.to_frontend, Ping())
                 next_beat = time.monotonic() + FRONTEND_HEARTBEAT_S
+                if not sched.num_unfinished:
+                    trim_heap()
             # Block until a message comes (or the next heartbeat is due). The planning loop below ran to
             # its end last time round, so nothing can be planned before a request, an abort or a step
             # result arrives: polling here without a timeout would spin a core (and take it from the

@@ -160,6 +160,7 @@ SLOWEST_MODULES_FIRST = [
     "tests/test_kv_cache_fp8.py",
     "tests/test_engine_vs_hf.py",
     "tests/test_security.py",
+    "tests/test_soak.py",
     "tests/kernels/test_all_reduce.py",
     "tests/test_tensor_parallel_failures.py",
     "tests/kernels/test_sampling.py",

@@ -321,7 +321,8 @@ class FakeWorker:
         if not bm.hash_to_block_id:
             return
         block_ids = np.fromiter(bm.hash_to_block_id.values(), np.int64)
-        want = np.array([bm.blocks[b].token_ids for b in block_ids.tolist()], dtype=np.int64)
+        want = np.frombuffer(b"".join(bm.blocks[b].token_ids for b in block_ids.tolist()), "<i4").reshape(
+            len(block_ids), self.block_size)
         have = self.kv_tokens.reshape(-1, self.block_size)[block_ids]
         bad = np.flatnonzero((have != want).any(axis=1))
         assert not len(bad), f"hash entries point at blocks {block_ids[bad].tolist()} whose KV holds other tokens"

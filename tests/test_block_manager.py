@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import scheduler_proc.block_manager as block_manager_module
-from scheduler_proc.block_manager import NO_HASH, BlockManager, hash_block
+from scheduler_proc.block_manager import NO_HASH, BlockManager, hash_block, token_bytes
 from scheduler_proc.sequence import Sequence
 from tests.fake_worker import make_request
 
@@ -139,7 +139,7 @@ def test_freed_block_keeps_its_hash_until_reused_then_the_stale_entry_goes() -> 
     block = a.block_table[0]
     h = bm.blocks[block].hash
     bm.free(a)
-    assert bm.hash_to_block_id == {h: block} and bm.blocks[block].token_ids == (1, 2, 3, 4)
+    assert bm.hash_to_block_id == {h: block} and bm.blocks[block].token_ids == token_bytes([1, 2, 3, 4])
     assert bm.find_cached_prefix(seq_of([1, 2, 3, 4, 9], 1)) == [block]  # still a hit while free
 
     other = seq_of([8, 8, 8, 8, 8, 8, 8, 8], 2)  # takes both blocks, overwriting a's
@@ -236,7 +236,7 @@ def corrupt_hash_entry(bm: BlockManager, seqs: list[Sequence]) -> None:
 
 def corrupt_block_tokens(bm: BlockManager, seqs: list[Sequence]) -> None:
     block = bm.blocks[seqs[0].block_table[0]]
-    block.token_ids = (0,) * BS
+    block.token_ids = token_bytes([0] * BS)
 
 
 def corrupt_table_holds_free_block(bm: BlockManager, seqs: list[Sequence]) -> None:
@@ -287,7 +287,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.bm.find_cached_prefix(seq)
         assert len(cached) <= (len(tokens) - 1) // BS
         for i, block_id in enumerate(cached):
-            assert self.bm.blocks[block_id].token_ids == tuple(tokens[i * BS:(i + 1) * BS])
+            assert self.bm.blocks[block_id].token_ids == token_bytes(tokens[i * BS:(i + 1) * BS])
         if not self.bm.can_allocate(cached, len(tokens)):
             needed = -(-len(tokens) // BS) - len(cached) + sum(self.bm.blocks[b].ref_count == 0 for b in cached)
             assert needed > self.bm.num_free_blocks

@@ -19,7 +19,7 @@ import pytest
 
 from common.protocol import EngineRequest
 from scheduler_proc import block_manager as block_manager_module
-from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.block_manager import BlockManager, token_bytes
 from scheduler_proc.scheduler import SchedulerConfig
 from tests.fake_worker import FakeEngine, make_request, reference_output, run, synthetic_prompt
 from workers.input_batch import InputBatch
@@ -84,7 +84,7 @@ def test_br02_reused_block_never_serves_its_old_prefix() -> None:
     engine.add(greedy(0, a_prompt, 8))
     engine.run_until_done()
     x_block = engine.steps[0].rows[0].block_table[0]
-    assert engine.scheduler.block_manager.blocks[x_block].token_ids == tuple(x)  # free but hashed
+    assert engine.scheduler.block_manager.blocks[x_block].token_ids == token_bytes(x)  # free but hashed
 
     for i in (1, 2, 3):
         engine.add(greedy(i, synthetic_prompt(19, seed=20 + i), 8))  # 300 tokens, scaled
@@ -92,7 +92,7 @@ def test_br02_reused_block_never_serves_its_old_prefix() -> None:
     b_blocks = {b for s in engine.steps for r in s.rows if r.seq_id in (1, 2, 3) for b in r.block_table}
     assert b_blocks == {0, 1, 2, 3}  # every block, X's included, was reallocated
     bm = engine.scheduler.block_manager
-    assert all(bm.blocks[b].token_ids != tuple(x) for b in bm.hash_to_block_id.values())
+    assert all(bm.blocks[b].token_ids != token_bytes(x) for b in bm.hash_to_block_id.values())
     engine.worker.check_hashed_blocks(engine.scheduler)  # BAI (3), against the cache content
 
     engine.add(greedy(4, a_prompt, 8))
@@ -121,7 +121,7 @@ def test_br04_identical_prompts_in_one_step_share_blocks_and_the_third_run_hits(
     bm = engine.scheduler.block_manager
     registered = list(bm.hash_to_block_id.values())
     assert len(registered) == len(set(registered))  # one block per hash, one hash per block
-    full_blocks = [tuple(prompt[i * B:(i + 1) * B]) for i in range(2)]
+    full_blocks = [token_bytes(prompt[i * B:(i + 1) * B]) for i in range(2)]
     assert [sum(bm.blocks[b].token_ids == t for b in registered) for t in full_blocks] == [1, 1]
     engine.worker.check_hashed_blocks(engine.scheduler)
 

@@ -21,7 +21,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.proc import StepLog, engine_process_main
+from common.proc import StepLog, engine_process_main, trim_heap
 from common.profiling import WorkerProfiling, run_id_of
 from common.protocol import (
     CompileGrammars,
@@ -118,7 +118,8 @@ class WorkerProcess:
                     self.plans.poll(0.05)  # milliseconds; wakes early when a plan arrives
                 continue
             msg = ipc.recv(self.plans, timeout_ms=1000)
-            if msg is None:
+            if msg is None:  # a second without a plan: idle
+                trim_heap()
                 if self.external and time.monotonic() - last_heard > SCHEDULER_SILENCE_S:
                     raise ExplainedError(f"no word from the scheduler for {SCHEDULER_SILENCE_S:.0f} s: it is gone")
                 continue
