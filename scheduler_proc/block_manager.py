@@ -28,6 +28,7 @@ from collections.abc import Sequence as SequenceABC
 import numpy as np
 import xxhash
 
+from scheduler_proc.free_block_queue import FreeBlockQueue
 from scheduler_proc.sequence import Sequence
 
 NO_HASH = -1
@@ -71,8 +72,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Insertion-ordered set of free block ids: pop from the front, return to the back (LRU).
-        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Free block ids: taken from the front, returned to the back (LRU).
+        self.free_block_ids = FreeBlockQueue(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
 
     @property
@@ -141,8 +142,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ allocation
     def _take_free_block(self) -> int:
-        block_id = next(iter(self.free_block_ids))
-        del self.free_block_ids[block_id]
+        block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         if block.hash != NO_HASH:
             # The block gets new content: its old prefix is gone, drop the stale entry.
