@@ -95,15 +95,20 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, alone and after a space (vLLM's rule: the spaced form counts only when
-    it begins with another token and has as many tokens, i.e. a space-joined variant of the word)."""
+    it begins with another token and has as many tokens, i.e. a space-joined variant of the word), without
+    repeats, in the words' order. One batched call of the tokenizer for all the words."""
+    if not words:
+        return []
+    stripped = [w.lstrip() for w in words]
+    encoded = tokenizer(stripped + [" " + w for w in stripped], add_special_tokens=False)["input_ids"]
     out: list[list[int]] = []
-    for word in words:
-        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    seen: set[tuple[int, ...]] = set()
+    for bare, spaced in zip(encoded[: len(words)], encoded[len(words):]):
         for ids in (bare, spaced) if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare) else (
                 bare,):
-            if ids and ids not in out:
-                out.append(ids)
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                out.append(list(ids))
     return out
 
 
