@@ -322,7 +322,10 @@ class SchedulerProfiling:
                 self.send_frontend(ProfileStatus(started.session, started.first_step, started.last_step,
                                                  started.folder))
         elif active is None:
-            self.send_frontend(ProfileStatus(error=f"not profiling ({self.num_sessions} sessions so far)"))
+            last = (f"; the last session's summary is in "
+                    f"{os.path.join(session_folder(self.profile_dir, self.num_sessions), 'summary.txt')}"
+                    if self.num_sessions else "")
+            self.send_frontend(ProfileStatus(error=f"not profiling ({self.num_sessions} sessions so far{last})"))
         else:
             last = self.stop_after if self.stop_after is not None else min(active.last_step, next_step_id - 1)
             self.send_frontend(ProfileStatus(active.session, active.first_step, last, active.folder))

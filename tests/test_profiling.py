@@ -50,7 +50,7 @@ def test_a_bad_profile_steps_is_refused_naming_the_setting(text: str) -> None:
 
 def test_profile_steps_without_a_profile_dir_is_refused(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "m")
-    with pytest.raises(ConfigError, match="profile_steps needs profile_dir"):
+    with pytest.raises(ConfigError, match=r"profile_steps \(--profile-steps\) needs profile_dir \(--profile-dir"):
         EngineConfig(model, profile_steps="3:9")
     config = EngineConfig(model, profile_dir="relative/profile", profile_steps=(3, 9))
     assert config.profile_steps == "3:9"
@@ -95,6 +95,9 @@ def test_the_scheduler_starts_the_window_at_its_first_step_and_stops_it_after_th
     assert json.loads(Path(profiled_config.profile_dir, "scheduler.phases.json").read_text())["last_step"] == 4
     prof.before_step(5, has_requests=True)  # the window runs once
     assert len(sent.workers) == 2
+    prof.request(StopProfile(), next_step_id=6, steps_in_flight=False)  # too late: it ended by itself
+    summary = Path(profiled_config.profile_dir, "summary.txt")
+    assert sent.frontend[-1].error == f"not profiling (1 sessions so far; the last session's summary is in {summary})"
 
 
 def test_a_client_session_runs_from_the_next_step_and_stops_after_the_last_one_planned(
