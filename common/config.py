@@ -151,7 +151,8 @@ class EngineConfig:
             object.__setattr__(self, "profile_steps", ":".join(str(s) for s in self.profile_steps))
         parse_profile_steps(self.profile_steps)
         if self.profile_steps != DEFAULT_PROFILE_STEPS and not self.profile_dir:
-            raise ConfigError("profile_steps (--profile-steps) needs profile_dir (--profile-dir: the folder the traces are written to)")
+            raise ConfigError("profile_steps (--profile-steps) needs profile_dir (--profile-dir: the folder the traces "
+                              "are written to)")
 
     # ------------------------------------------------------------------ derived values
     def resolve(self) -> EngineConfig:
