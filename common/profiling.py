@@ -39,6 +39,8 @@ from common import envs
 from common.config import DEFAULT_PROFILE_STEPS, EngineConfig, parse_profile_steps
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
 
+MAX_PROFILE_STEPS = 2**31 - 1  # most steps a client's session may ask for (the HTTP route's bound too)
+
 log = logging.getLogger("deltaserve.profiling")
 PHASES_FORMAT = "deltaserve-phases/1"
 MAX_PHASES = 1_000_000  # per process and session (~100 MB): past it, phases are dropped and the file says so
@@ -312,9 +314,9 @@ class SchedulerProfiling:
                     active.session, active.first_step, active.last_step, active.folder,
                     error=f"already profiling (session {active.session}, from step {active.first_step}): "
                           "stop it first"))
-            elif msg.num_steps < 0:
-                self.send_frontend(ProfileStatus(error=f"num_steps must be >= 0 (0: {self.default_num_steps} "
-                                                       f"steps), got {msg.num_steps}"))
+            elif not 0 <= msg.num_steps <= MAX_PROFILE_STEPS:  # step ids must stay int64 on the wire
+                self.send_frontend(ProfileStatus(error=f"num_steps must be in [0, {MAX_PROFILE_STEPS}] (0: "
+                                                       f"{self.default_num_steps} steps), got {msg.num_steps}"))
             else:
                 self._start(next_step_id, next_step_id + (msg.num_steps or self.default_num_steps) - 1)
                 started = self.active

@@ -107,7 +107,9 @@ def test_a_client_session_runs_from_the_next_step_and_stops_after_the_last_one_p
     prof.request(StopProfile(), next_step_id=7, steps_in_flight=False)
     assert sent.frontend[-1].error == "not profiling (0 sessions so far)"
     prof.request(StartProfile(num_steps=-1), next_step_id=7, steps_in_flight=False)
-    assert sent.frontend[-1].error.startswith("num_steps must be >= 0 (0: 3 steps), got -1")
+    assert sent.frontend[-1].error == "num_steps must be in [0, 2147483647] (0: 3 steps), got -1"
+    prof.request(StartProfile(num_steps=2**64 - 1), next_step_id=7, steps_in_flight=False)  # its last step: > 2**64
+    assert sent.frontend[-1].error.endswith(f"got {2**64 - 1}") and sent.workers == []
     prof.request(StartProfile(num_steps=0), next_step_id=7, steps_in_flight=False)  # 0: the window's length
     start = ProfileStart(1, 7, 9, profiled_config.profile_dir)
     assert sent.workers == [start]
