@@ -25,7 +25,8 @@ the executable definition). For row r and token i, float32 throughout:
      ids not listed before them.
 
 Design. The vocabulary is split into chunks (grid `(rows, chunks)`, at least 2048 entries each) of tiles of
-TILE (256) entries; the kernels are in gpu_kernels/processed_sampling_kernels.py:
+TILE (256) entries; the kernels are in gpu_kernels/processed_sampling_kernels.py (prepare to resolve) and
+gpu_kernels/processed_sampling_draw.py (sample to finish), their helpers in processed_sampling_device.py:
   prepare   rows with sparse entries: their processed logits y go to a float32 scratch row (bias before the
             penalties, as step 2 requires), which later passes read instead of the logits; then every row
             that filters or reports logprobs writes per-tile max, min, sum of exp(y - tile max) and finite count.
@@ -84,7 +85,7 @@ import numpy as np
 import torch
 import triton
 
-from gpu_kernels.processed_sampling_kernels import (
+from gpu_kernels.processed_sampling_device import (
     DEFAULT_CAP_A,
     DEFAULT_CAP_B,
     DEFAULT_NUM_PASSES,
@@ -93,14 +94,14 @@ from gpu_kernels.processed_sampling_kernels import (
     PIVOTS,
     SEG1,
     STATE_WIDTH,
+)
+from gpu_kernels.processed_sampling_draw import _finish_kernel, _rank_kernel, _sample_kernel
+from gpu_kernels.processed_sampling_kernels import (
     _collect_kernel,
-    _finish_kernel,
     _pivot_kernel,
     _plan_kernel,
     _prepare_kernel,
-    _rank_kernel,
     _resolve_kernel,
-    _sample_kernel,
 )
 from gpu_kernels.sampling import choose_chunk_size
 from gpu_kernels.sampling_inputs import (

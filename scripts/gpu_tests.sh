@@ -36,7 +36,7 @@ if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "
 python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" ${GATE_BACKENDS:+--backends $GATE_BACKENDS} \
     --json "$out/correctness.json" > "$out/correctness.log" 2>&1 &
 gates=$!
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag $workers_flag tests/test_gpu*.py tests/kernels/test_*gpu.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag $workers_flag tests/test_gpu*.py tests/kernels/ 2>&1 | tee "$out/gpu_tests.log"
 status=${PIPESTATUS[0]}
 wait $gates
 correctness=$?
