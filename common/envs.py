@@ -171,6 +171,14 @@ def eager_sampling() -> bool:
     return _flag("DELTASERVE_EAGER_SAMPLING")
 
 
+def processed_sampler() -> str:
+    """DELTASERVE_PROCESSED_SAMPLER: how a CUDA worker at TP 1 samples rows with filters, penalties, logit bias, bans,
+    a grammar or logprobs. `fused` (default): one sort-free Triton sampler for the whole step
+    (gpu_kernels/processed_sampling.py, workers/fused_sampling.py); `torch`: the float32 copy of those rows through
+    workers/logits_processing.py, then the plain sampler (the path of every CPU worker and of TP > 1)."""
+    return _choice("DELTASERVE_PROCESSED_SAMPLER", "fused", ("fused", "torch"))
+
+
 def pdl() -> bool:
     """DELTASERVE_PDL: launch the decode step's Triton kernels (the GEMVs, the QK-norm/RoPE/KV-store kernel, decode
     attention) with programmatic dependent launch on GPUs of compute capability 9.0 and later
@@ -252,6 +260,7 @@ def check_all() -> None:
     all_reduce_impl()
     gemv_max_batch()
     eager_sampling()
+    processed_sampler()
     decode_inline_combine()
     pdl()
     step_timeout_s()

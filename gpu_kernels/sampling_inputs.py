@@ -329,25 +329,26 @@ class PenaltyBits:
     def record(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record one sampled token per row on the device: seen, generated, counted once more.
 
-        state_rows `[n]` int (-1: skip the row), tokens `[n]` int64. Passing `ProcessedParams.ints[:, I_STATE_ROW]`
-        as is also records rows without penalties: harmless, since a penalized request's row is rebuilt by
-        `reset_rows` when it takes the row, and only penalized rows are read. One launch, no host
-        synchronisation (capturable); the updates are atomic, so two rows may share a state row."""
+        state_rows `[n]` int, any stride (-1: skip the row), tokens `[n]` int64. Passing the column
+        `ProcessedParams.ints[:, I_STATE_ROW]` as is also records rows without penalties: harmless, since a
+        penalized request's row is rebuilt by `reset_rows` when it takes the row, and only penalized rows are read.
+        One launch, no host synchronisation (capturable); the updates are atomic, so two rows may share a state
+        row."""
         n = state_rows.shape[0]
         if not n:
             return
         seen, output, counts = self.tensors()
         block = 128
-        _record_kernel[(triton.cdiv(n, block),)](state_rows, tokens, seen, output, counts, n, self.vocab_size,
-                                                 self.num_words, BLOCK=block, num_warps=1)
+        _record_kernel[(triton.cdiv(n, block),)](state_rows, state_rows.stride(0), tokens, seen, output, counts, n,
+                                                 self.vocab_size, self.num_words, BLOCK=block, num_warps=1)
 
 
 @triton.jit
-def _record_kernel(state_rows_ptr, tokens_ptr, seen_ptr, output_ptr, counts_ptr, n, vocab_size, num_words,
-                   BLOCK: tl.constexpr):
+def _record_kernel(state_rows_ptr, stride_state_rows, tokens_ptr, seen_ptr, output_ptr, counts_ptr, n, vocab_size,
+                   num_words, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
-    srow = tl.load(state_rows_ptr + i, mask=valid, other=-1).to(tl.int64)
+    srow = tl.load(state_rows_ptr + i * stride_state_rows, mask=valid, other=-1).to(tl.int64)
     token = tl.load(tokens_ptr + i, mask=valid, other=-1).to(tl.int64)
     valid = valid & (srow >= 0) & (token >= 0) & (token < vocab_size)
     word = srow * num_words + (token >> 5)
@@ -367,4 +368,9 @@ def _pack_bits(token_lists: Sequence[np.ndarray], num_words: int) -> np.ndarray:
 
 
 def _upload(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    """`a` on `device`; to a GPU through pinned memory, asynchronously (a copy from pageable memory may wait for
+    the forward still running on the device)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

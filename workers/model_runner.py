@@ -198,13 +198,16 @@ class ModelRunner:
 
     @torch.no_grad()
     def compile_sampling(self) -> None:
-        """Compile the LM head's batch-1 GEMV and the fused sampler for every batch size now, on CUDA, so that
-        no new batch size compiles a kernel mid-run (each held a step 0.4-0.7 s). Draws no seeds."""
+        """Compile the LM head's batch-1 GEMV and the fused samplers (plain and processed rows) for every batch size
+        now, on CUDA, so that no new batch size compiles a kernel mid-run (each held a step 0.4-0.7 s). Draws no
+        seeds."""
         if self.device.type != "cuda":
             return
         hidden = torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         self.sampling.sampler.compile_kernels(self.config.max_num_seqs, logits.shape[1], logits.dtype)
+        if self.sampling.fused is not None:
+            self.sampling.fused.compile_kernels(self.config.max_num_seqs, logits.dtype)
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ one step
@@ -219,7 +222,7 @@ class ModelRunner:
             return None
         self.phases.begin("prepare inputs", plan.step_id)
         # Before prepare() advances the requests' counters: a row holds exactly the tokens known so far.
-        penalties = self.sampling.processor.penalties
+        penalties = self.sampling.penalties
         penalties.reset_rows(self.batch.admitted_penalized)
         forks = self.batch.forks
         penalties.copy_rows([p.row for f, p in forks if f.penalized], [f.row for f, _ in forks if f.penalized])

@@ -3,9 +3,11 @@
 The LM head runs on each sampling row's last hidden state. Rows that use only temperature go from it straight to
 the sampler (workers/sampler.py: the fused Triton kernel on CUDA). Rows whose requests set filters, penalties,
 logit bias, logprobs or a grammar are gathered over the whole vocabulary and go through
-workers/logits_processing.py first (`ProcessedRows`). A step with constrained rows (structured outputs) first
-receives the previous step's tokens, while its own forward runs, so that every matcher stands at its request's
-last token, then fills and uploads their bitmask (workers/structured_output.py).
+workers/logits_processing.py first (`ProcessedRows`); on a GPU at TP 1 a step with processed rows samples all of its
+rows in the fused sampler instead (workers/fused_sampling.py: no sort, no float32 copy, a fixed launch sequence).
+A step with constrained rows (structured outputs) first receives the previous step's tokens, while its own forward
+runs, so that every matcher stands at its request's last token, then fills and uploads their bitmask
+(workers/structured_output.py).
 
 The tokens, the logprobs of rows that asked, and the prompt logprobs of prefill chunks that asked (raw: no
 sampling parameter applied) are copied to pinned host memory, all read after the tokens' event. A decode step of
@@ -21,17 +23,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common import envs
 from common.protocol import Logprobs, f32, i32
+from gpu_kernels.sampling_inputs import PenaltyBits
+from workers.fused_sampling import FusedSampling
 from workers.host_buffers import HostBuffers
 from workers.input_batch import StepInputs
 from workers.logits_processing import (
     PROMPT_LOGPROBS_CHUNK,
     LogitsProcessor,
+    PenaltyState,
     gather_vocabulary,
     to_device,
     token_logprobs,
     worst_case_inputs,
 )
+from workers.parallel import tp_size
 from workers.sampler import ProcessedRows, Sampler
 from workers.structured_output import StructuredOutputManager, bitmask_width
 
@@ -80,6 +87,9 @@ class SamplingStep:
         head = model.lm_head
         self.sampler = Sampler(device, seed, head.vocab_size, head.vocab_start)
         self.processor = LogitsProcessor(device, max_num_seqs, head.vocab_size)
+        # Processed rows on a GPU at TP 1: the fused sampler (workers/fused_sampling.py) instead of the processor.
+        self.fused = FusedSampling(device, max_num_seqs, head.vocab_size) \
+            if device.type == "cuda" and tp_size() == 1 and envs.processed_sampler() == "fused" else None
         self.model = model
         self.structured = structured
         self.last_sampled = last_sampled
@@ -87,6 +97,11 @@ class SamplingStep:
         self.rank = rank
         self.receive_previous = receive_previous
         self._grammar_timings: dict[str, float] = {}  # of the step being launched: its wait and mask times
+
+    @property
+    def penalties(self) -> PenaltyBits | PenaltyState:
+        """The penalty state of the batch rows that the active path reads (`reset_rows`, `copy_rows`)."""
+        return self.fused.penalties if self.fused is not None else self.processor.penalties
 
     def take_grammar_timings(self) -> dict[str, float]:
         """The grammar wait and mask times of the step just sampled (empty without constrained rows), once."""
@@ -106,6 +121,11 @@ class SamplingStep:
             logits = self.model.compute_logits(hidden[dev_idx["logits_indices"]])
             all_greedy = not bool((inputs.temperatures > 0).any())
             processed = d = None
+            if inputs.processing is not None and self.fused is not None:
+                tokens, lp_host = self._sample_fused(inputs, logits)
+                self.last_sampled.index_copy_(0, dev_idx["sampling_rows"], tokens)
+                out, event = host.tokens_to_host(tokens)
+                return out, event, lp_host, prompt_lp
             if inputs.processing is not None:
                 d = self.processor.upload(inputs.processing)
                 if inputs.processing.grammars:
@@ -134,6 +154,20 @@ class SamplingStep:
             event.record()
         return out, event, lp_host, prompt_lp
 
+    def _sample_fused(self, inputs: StepInputs, logits: torch.Tensor) -> tuple[torch.Tensor, LogprobsOnHost | None]:
+        """Every sampling row of a step with processed rows, in the fused sampler; the tokens `[S]` int64 and the
+        logprobs of the rows that asked, on their way to the host."""
+        assert self.fused is not None and inputs.processing is not None
+        h = inputs.processing
+        bitmask = self._grammar_bitmask(h.grammars) if h.grammars else None
+        seeds = self.sampler.draw_seeds(len(inputs.sampling_rows), inputs.temperatures, inputs.seeded_rows)
+        tokens, lp = self.fused.sample(logits, inputs.temperatures, seeds, h, bitmask, self.last_sampled)
+        if lp is None:
+            return tokens, None
+        return tokens, LogprobsOnHost(h.rows[h.logprob_rows].astype(np.int32), np.ones(len(h.logprob_rows), np.int32),
+                                      h.logprob_counts, self._to_host(lp.token_logprobs), self._to_host(lp.ranks),
+                                      self._to_host(lp.top_logprobs), self._to_host(lp.top_token_ids))
+
     def dummy_run(self, hidden: torch.Tensor) -> None:
         """The costliest sampling of a step of `n` rows, `hidden` `[n, hidden]`: the LM head and the sampler, then
         the costliest logits processing (a whole-row sort, penalties, 20 logprobs) of all `n` rows and of one.
@@ -143,6 +177,9 @@ class SamplingStep:
         n, dev = hidden.shape[0], self.device
         logits = self.model.compute_logits(hidden)
         self.sampler(logits, torch.ones(n, device=dev), all_greedy=False)
+        if self.fused is not None:
+            self.fused.dummy_run(logits)
+            return
         for rows in sorted({n, 1}, reverse=True):
             d = self.processor.upload(worst_case_inputs(rows))
             d.bitmask = torch.full((rows, bitmask_width(self.processor.vocab_size)), -1, dtype=torch.int32, device=dev)

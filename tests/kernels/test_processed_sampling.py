@@ -351,8 +351,10 @@ def test_penalty_bits_reset_record_and_copy() -> None:
     vocab = 70
     bits = PenaltyBits(DEVICE, 4, vocab)
     bits.reset_rows_from_tokens([1, 3], [np.array([0, 5, 69, 5]), np.array([33])], [np.array([5, 69]), np.array([])])
-    bits.record(torch.tensor([1, -1, 3, 1], dtype=torch.int32, device=DEVICE),
-                torch.tensor([5, 9, 40, 64], dtype=torch.int64, device=DEVICE))
+    # A column of a packed table, as the worker passes ProcessedParams.ints[:, I_STATE_ROW] (stride 8).
+    table = torch.zeros(4, 8, dtype=torch.int32, device=DEVICE)
+    table[:, 1] = torch.tensor([1, -1, 3, 1], dtype=torch.int32)
+    bits.record(table[:, 1], torch.tensor([5, 9, 40, 64], dtype=torch.int64, device=DEVICE))
     bits.copy_rows([1], [2])
     seen, output, counts = (t.cpu() for t in bits.tensors())
 
