@@ -2,7 +2,8 @@
 
 Each iteration submits `--batch-size` prompts of `--input-len` random token ids (uniform in
 0..10000, fresh ones every iteration so that nothing is a prefix-cache hit) with `max_tokens =
---output-len`, `ignore_eos` and `--temperature` (vLLM's default 1.0), and waits for all of them.
+--output-len`, `ignore_eos` and `--temperature` (vLLM's default 1.0; `--top-p`, `--top-k`, `--min-p`,
+`--repetition-penalty` and `--logprobs` add those parameters), and waits for all of them.
 After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones report:
 
 - latency: seconds per iteration (mean, p50, p99), and output tokens/s = batch x output_len / latency;
@@ -68,7 +69,9 @@ def measure(llm, args: argparse.Namespace, batch_size: int, rng: np.random.Gener
     """Warm-up and measured iterations at one batch size on a running engine: the raw timings."""
     from deltaserve import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
     raw: dict = {"windows": [], "latencies": [], "ttfts": [], "tpots": [], "cached": 0}
     for i in range(args.num_iters_warmup + args.num_iters):
         prompts = rng.integers(0, 10000, size=(batch_size, args.input_len)).tolist()
@@ -113,7 +116,8 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
         "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager and any("cuda" in d for d in info.get("devices", [])),
-        "tp": args.tp, "temperature": args.temperature,
+        "tp": args.tp, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "min_p": args.min_p, "repetition_penalty": args.repetition_penalty, "logprobs": args.logprobs,
         "latency_s": lat, "ttft_s": percentiles(raw["ttfts"]), "tpot_s": tpot,
         "per_token_latency_s": percentiles(per_token),
         "decode_step_device_s": percentiles(device), "device_idle_before_decode_step_s": percentiles(idle),
@@ -156,11 +160,17 @@ def run_engine(args: argparse.Namespace, step_dir: str) -> list[dict]:
     return [summarize(raw, steps, args, batch_size, info) for raw, batch_size in zip(raws, args.batch_size)]
 
 
+def sampling_flags(r: dict) -> str:
+    """The sampling parameters beyond temperature that the run set, for its summary line ('' if none)."""
+    off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "logprobs": None}
+    return "".join(f", {name} {r[name]:g}" for name, default in off.items() if r.get(name, default) != default)
+
+
 def report(r: dict) -> None:
     print(f"batch {r['batch_size']}, input {r['input_len']} tokens, output {r['output_len']} tokens, "
           f"{r['num_iters']} iterations; backend {r['backend']}, KV cache {r['kv_cache_dtype']} "
           f"({r['kv_cache_tokens']} tokens), CUDA graphs {'on' if r['cuda_graphs'] else 'off'}, TP {r['tp']}, "
-          f"temperature {r['temperature']:g}, {r['devices']}")
+          f"temperature {r['temperature']:g}{sampling_flags(r)}, {r['devices']}")
     print(f"latency per iteration: {fmt(r['latency_s'], 1.0, 's')}; output {r['output_tokens_per_s']:.1f} tok/s")
     print(f"TTFT: {fmt(r['ttft_s'])}")
     if r["decode_tokens_per_s"] is not None:
@@ -190,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-iters-warmup", type=int, default=10)
     ap.add_argument("--num-iters", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=1.0)
+    # Sampling parameters beyond temperature put every row on the processed path (docs/parameters.md).
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--logprobs", type=int, default=None, help="top-N logprobs of each sampled token")
     ap.add_argument("--seed", type=int, default=0, help="of the random prompts")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--kv-cache-dtype", default="auto")

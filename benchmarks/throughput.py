@@ -13,7 +13,12 @@ between steps (from the workers' step log) and each process's CPU seconds per wa
 filtered workload: every row goes through workers/logits_processing.py and returns its logprobs);
 the tokens are the same count, so the two runs compare directly.
 
-    python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2] [--filtered]
+`--mix chat` gives each request (drawn with its own seeded generator, so the prompts and lengths stay the
+reference's) one of the parameter sets OpenAI-style clients send: temperature only 40%; top_p 0.95 30% (half of
+them also top_k 40); frequency and presence penalty 0.5 15%; logprobs 1..5 10%; a JSON schema from a fixed set of
+five 5% (a finished JSON value leaves only end tokens, which ignore_eos keeps drawing). The drawn mix is printed.
+
+    python benchmarks/throughput.py --model DIR [--attention-backend triton] [--tp 2] [--filtered | --mix chat]
     python benchmarks/throughput.py --model DIR --kv-cache-dtype fp8
     python benchmarks/throughput.py --model DIR --profile-dir D [--profile-steps 200:240]
 
@@ -49,16 +54,58 @@ PROFILE_STEPS = "200:240"  # full-batch decode steps of the measured run (the wa
 
 
 FILTERED = dict(top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5)
+_NAME = {"type": "string", "maxLength": 24}
+MIX_SCHEMAS = (  # the five JSON schemas of --mix chat
+    {"type": "object", "properties": {"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "neutral", "negative"]},
+                                      "confidence": {"type": "number"}}, "required": ["sentiment", "confidence"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 8},
+    {"type": "object", "properties": {"city": _NAME, "address": {"type": "object", "properties": {
+        "street": _NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "zip"]}},
+     "required": ["city", "address"]},
+    {"type": "object", "properties": {"name": {"enum": ["get_weather", "search", "send_email"]},
+                                      "arguments": {"type": "object", "properties": {"query": _NAME}}},
+     "required": ["name", "arguments"]},
+)
 
 
-def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, filtered: bool = False):
+def chat_mix(n: int, seed: int = 1) -> tuple[list[dict], dict[str, int]]:
+    """`n` parameter sets of the --mix chat shares (module docstring), drawn from `random.Random(seed)`, and the
+    count of each kind."""
+    rng = random.Random(seed)
+    extras: list[dict] = []
+    counts = {"temperature only": 0, "top_p": 0, "top_p + top_k": 0, "penalties": 0, "logprobs": 0, "json": 0}
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.40:
+            kind, extra = "temperature only", {}
+        elif u < 0.70:
+            with_k = rng.random() < 0.5
+            kind, extra = ("top_p + top_k", {"top_p": 0.95, "top_k": 40}) if with_k else ("top_p", {"top_p": 0.95})
+        elif u < 0.85:
+            kind, extra = "penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.5}
+        elif u < 0.95:
+            kind, extra = "logprobs", {"logprobs": rng.randint(1, 5)}
+        else:
+            kind, extra = "json", {"structured_outputs": {"json": MIX_SCHEMAS[rng.randrange(len(MIX_SCHEMAS))]}}
+        counts[kind] += 1
+        extras.append(extra)
+    return extras, counts
+
+
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, filtered: bool = False,
+             mix: str | None = None):
+    """nano-vllm's prompts and output lengths; `filtered` or `mix` ("chat") add sampling parameters without
+    changing them."""
     from deltaserve import SamplingParams
 
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
-    extra = FILTERED if filtered else {}
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len), **extra)
-              for _ in range(num_seqs)]
+    lengths = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    extras = chat_mix(num_seqs)[0] if mix == "chat" else [FILTERED if filtered else {}] * num_seqs
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra)
+              for n, extra in zip(lengths, extras)]
     return prompts, params
 
 
@@ -81,6 +128,8 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--filtered", action="store_true",
                     help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
+    ap.add_argument("--mix", choices=["chat"], default=None,
+                    help="chat: each request draws a realistic set of sampling parameters (see the module docstring)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--profile-dir", default=None, help="profile the run into this folder (docs/profiling.md)")
     ap.add_argument("--profile-steps", default=PROFILE_STEPS, help="with --profile-dir: the steps traced, A:B")
@@ -93,7 +142,12 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
     """Run the workload on one engine (its step logs in `step_dir`); print (and with --json write) the numbers."""
     from deltaserve import LLM, SamplingParams
 
-    prompts, params = workload(args.num_seqs, filtered=args.filtered)
+    if args.filtered and args.mix:
+        raise SystemExit("--filtered and --mix are two workloads: pass one")
+    prompts, params = workload(args.num_seqs, filtered=args.filtered, mix=args.mix)
+    if args.mix:
+        mix = chat_mix(args.num_seqs)[1]
+        print(f"--mix {args.mix} over {args.num_seqs} requests: " + ", ".join(f"{k} {v}" for k, v in mix.items()))
     total_tokens = sum(sp.max_tokens for sp in params)
     llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -131,6 +185,7 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
         "gpu_busy_s": sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3, "gpu_idle_between_steps_s": sum(idle) / 1e3,
         "mean_idle_between_steps_ms": statistics.mean(idle) if idle else None,
         "backend": args.attention_backend, "tp": args.tp, "block_size": args.block_size, "filtered": args.filtered,
+        "mix": args.mix,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_capacity_tokens": kv_capacity_tokens,
         "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
         "kernel_compiles_mid_run": sum(s.get("compiles", 0) for s in steps),
