@@ -70,14 +70,21 @@ class ProcessedParams:
         return self.floats.shape[0]
 
     @classmethod
-    def from_arrays(cls, temperature: np.ndarray, vocab_size: int, device: torch.device | str, *,
-                    top_k: np.ndarray | None = None, top_p: np.ndarray | None = None,
-                    min_p: np.ndarray | None = None, repetition: np.ndarray | None = None,
-                    frequency: np.ndarray | None = None, presence: np.ndarray | None = None,
-                    state_rows: np.ndarray | None = None, grammar_rows: np.ndarray | None = None,
-                    scratch_rows: np.ndarray | None = None, num_logprobs: np.ndarray | None = None,
-                    ) -> ProcessedParams:
-        """Pack `[n]` host arrays (None: the parameter is off for every row) and upload them.
+    def from_arrays(cls, temperature: np.ndarray, vocab_size: int, device: torch.device | str,
+                    **columns: np.ndarray | None) -> ProcessedParams:
+        """`pack` the `[n]` host arrays and upload them (the keyword arguments are `pack`'s)."""
+        floats, ints = cls.pack(temperature, vocab_size, **columns)
+        return cls(_upload(floats, device), _upload(ints, device), floats, ints)
+
+    @staticmethod
+    def pack(temperature: np.ndarray, vocab_size: int, *, top_k: np.ndarray | None = None,
+             top_p: np.ndarray | None = None, min_p: np.ndarray | None = None, repetition: np.ndarray | None = None,
+             frequency: np.ndarray | None = None, presence: np.ndarray | None = None,
+             state_rows: np.ndarray | None = None, grammar_rows: np.ndarray | None = None,
+             scratch_rows: np.ndarray | None = None, num_logprobs: np.ndarray | None = None,
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Pack `[n]` host arrays (None: the parameter is off for every row) into the host tables
+        `floats [n, 8]` float32 and `ints [n, 8]` int32.
 
         Greedy rows (temperature <= 0) get no filter (top_k 0, top_p 1, min_p 0), as
         workers/logits_processing.py's `build_processing` does, and top_k >= vocab_size is off.
@@ -117,7 +124,7 @@ class ProcessedParams:
         ints[:, I_GRAMMAR_ROW] = column(grammar_rows, -1, np.int32)
         ints[:, I_SCRATCH_ROW] = column(scratch_rows, -1, np.int32)
         ints[:, I_NUM_LOGPROBS] = column(num_logprobs, -1, np.int32)
-        return cls(_upload(floats, device), _upload(ints, device), floats, ints)
+        return floats, ints
 
     def copy_(self, other: ProcessedParams) -> ProcessedParams:
         """Copy `other`'s values into these tensors (same n), e.g. the static inputs of a captured graph."""
@@ -149,14 +156,27 @@ class SparseEntries:
         return int((self.scratch_rows >= 0).sum())
 
     @classmethod
-    def from_lists(cls, num_rows: int, device: torch.device | str, *,
-                   bias_rows: Sequence[int] = (), bias_tokens: Sequence[int] = (), bias_values: Sequence[float] = (),
-                   ban_rows: Sequence[int] = (), ban_tokens: Sequence[int] = (), ban_after: Sequence[int] = (),
+    def from_lists(cls, num_rows: int, device: torch.device | str, **lists: Sequence[int] | Sequence[float]
                    ) -> SparseEntries:
+        """`merge` the (row, token) lists and upload the CSR (the keyword arguments are `merge`'s)."""
+        return cls.upload(cls.merge(num_rows, **lists), device)
+
+    @classmethod
+    def upload(cls, h: SparseHost, device: torch.device | str) -> SparseEntries:
+        """The host CSR `h` on `device`."""
+        pad = 0 if len(h.tokens) else 1  # an empty CSR still passes valid (one-element) buffers to the kernels
+        return cls(_upload(h.offsets, device), _upload(np.pad(h.tokens, (0, pad)), device),
+                   _upload(np.pad(h.bias, (0, pad)), device),
+                   _upload(np.pad(h.ban_after, (0, pad), constant_values=BAN_NONE), device), h.scratch_rows)
+
+    @staticmethod
+    def merge(num_rows: int, *, bias_rows: Sequence[int] = (), bias_tokens: Sequence[int] = (),
+              bias_values: Sequence[float] = (), ban_rows: Sequence[int] = (), ban_tokens: Sequence[int] = (),
+              ban_after: Sequence[int] = ()) -> SparseHost:
         """Merge (row, token) lists the way workers/logits_processing.py applies them: biases of one token
         add up; a token banned unconditionally is banned once; conditional bans keep one entry each.
-        `ban_after`: -1 (always) or the last token that triggers the ban. Raises ValueError on a row out of
-        range or lists of unequal length."""
+        `ban_after`: -1 (always) or the last token that triggers the ban. Returns the CSR on the host.
+        Raises ValueError on a row out of range or lists of unequal length."""
         if not (len(bias_rows) == len(bias_tokens) == len(bias_values) and len(ban_rows) == len(ban_tokens)
                 == len(ban_after)):
             raise ValueError("each list of sparse entries must have one value per entry")
@@ -187,11 +207,19 @@ class SparseEntries:
         offsets = np.cumsum(offsets, dtype=np.int32)
         has_entries = offsets[1:] > offsets[:-1]
         scratch = np.where(has_entries, np.cumsum(has_entries) - 1, -1).astype(np.int32)
-        # An empty CSR still passes valid (one-element) buffers to the kernels.
-        pad = 0 if len(tokens) else 1
-        return cls(_upload(offsets, device), _upload(np.asarray(tokens + [0] * pad, dtype=np.int32), device),
-                   _upload(np.asarray(bias + [0.0] * pad, dtype=np.float32), device),
-                   _upload(np.asarray(after + [BAN_NONE] * pad, dtype=np.int64), device), scratch)
+        return SparseHost(offsets, np.asarray(tokens, dtype=np.int32), np.asarray(bias, dtype=np.float32),
+                          np.asarray(after, dtype=np.int64), scratch)
+
+
+@dataclass
+class SparseHost:
+    """`SparseEntries` on the host (E entries over n rows): what a CUDA graph's static CSR is filled from."""
+
+    offsets: np.ndarray  # [n + 1] int32
+    tokens: np.ndarray  # [E] int32
+    bias: np.ndarray  # [E] float32
+    ban_after: np.ndarray  # [E] int64
+    scratch_rows: np.ndarray  # [n] int32
 
 
 class ProcessingInputsLike(Protocol):
@@ -221,8 +249,17 @@ class ProcessingInputsLike(Protocol):
 
 def from_processing(h: ProcessingInputsLike | None, temperatures: np.ndarray, vocab_size: int,
                     device: torch.device | str) -> tuple[ProcessedParams, SparseEntries]:
-    """The parameters and sparse entries of a whole step, from its temperatures `[S]` float32 (0 = greedy) and
-    the processed rows' `ProcessingInputs` (None: every row is plain). Rows not in `h.rows` are plain.
+    """The parameters and sparse entries of a whole step on the device (`processing_host`, uploaded)."""
+    floats, ints, sparse = processing_host(h, temperatures, vocab_size)
+    return ProcessedParams(_upload(floats, device), _upload(ints, device), floats, ints), \
+        SparseEntries.upload(sparse, device)
+
+
+def processing_host(h: ProcessingInputsLike | None, temperatures: np.ndarray, vocab_size: int
+                    ) -> tuple[np.ndarray, np.ndarray, SparseHost]:
+    """The parameter tables (`ProcessedParams.pack`) and sparse entries (`SparseEntries.merge`) of a whole step,
+    on the host, from its temperatures `[S]` float32 (0 = greedy) and the processed rows' `ProcessingInputs`
+    (None: every row is plain). Rows not in `h.rows` are plain.
 
     The grammar bitmask row of processed row j is its position in `h.grammar_rows` (the order of
     `DeviceProcessing.bitmask`); the state row is `h.batch_rows` (penalties and the last sampled token)."""
@@ -231,7 +268,7 @@ def from_processing(h: ProcessingInputsLike | None, temperatures: np.ndarray, vo
     cols = {name: None for name in ("top_k", "top_p", "min_p", "repetition", "frequency", "presence",
                                     "state_rows", "grammar_rows", "num_logprobs")}
     if h is None:
-        return ProcessedParams.from_arrays(t, vocab_size, device), SparseEntries.from_lists(n, device)
+        return *ProcessedParams.pack(t, vocab_size), SparseEntries.merge(n)
     rows = np.asarray(h.rows, dtype=np.int64)
     greedy = np.asarray(h.sample_temperatures) <= 0
     t[rows] = np.where(greedy, 0.0, h.temperatures)
@@ -248,13 +285,12 @@ def from_processing(h: ProcessingInputsLike | None, temperatures: np.ndarray, vo
     logprobs[rows[np.asarray(h.logprob_rows, dtype=np.int64)]] = h.logprob_counts
     cols["grammar_rows"], cols["num_logprobs"] = grammar, logprobs
     ban_after = np.asarray(h.ban_after, dtype=np.int64)
-    sparse = SparseEntries.from_lists(
-        n, device, bias_rows=rows[np.asarray(h.bias_rows, dtype=np.int64)].tolist(),
+    sparse = SparseEntries.merge(
+        n, bias_rows=rows[np.asarray(h.bias_rows, dtype=np.int64)].tolist(),
         bias_tokens=np.asarray(h.bias_tokens).tolist(), bias_values=np.asarray(h.bias_values).tolist(),
         ban_rows=rows[np.asarray(h.ban_rows, dtype=np.int64)].tolist(), ban_tokens=np.asarray(h.ban_tokens).tolist(),
         ban_after=np.where(ban_after < 0, BAN_ALWAYS, ban_after).tolist())
-    params = ProcessedParams.from_arrays(t, vocab_size, device, scratch_rows=sparse.scratch_rows, **cols)
-    return params, sparse
+    return *ProcessedParams.pack(t, vocab_size, scratch_rows=sparse.scratch_rows, **cols), sparse
 
 
 class RequestTokens(Protocol):
