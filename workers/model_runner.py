@@ -194,7 +194,7 @@ class ModelRunner:
         `enforce_eager`, with an attention backend that supports them."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return
-        self.cuda_graphs.capture(self.sampling.sampler.fused)
+        self.cuda_graphs.capture(self.sampling.sampler.fused, self.sampling.fused)
 
     @torch.no_grad()
     def compile_sampling(self) -> None:
@@ -235,13 +235,20 @@ class ModelRunner:
         graph_bs = self.cuda_graphs.size_for(inputs)
         ended = None
         self.phases.begin("upload", plan.step_id)
-        sample_graph = None  # a decode step whose rows need only temperature sampling samples in a graph too
-        if graph_bs is not None and inputs.processing is None and inputs.prompt_logprobs is None:
-            sample_graph = self.cuda_graphs.sample_graphs.get(graph_bs)
+        # A decode step samples in a graph too: plain rows only in the sampling graph, any processed row in the
+        # processed-sampling graph (when its inputs fit it).
+        sample_graph = processed_graph = None
+        if graph_bs is not None and inputs.prompt_logprobs is None:
+            if inputs.processing is None:
+                sample_graph = self.cuda_graphs.sample_graphs.get(graph_bs)
+            else:
+                processed_graph = self.cuda_graphs.processed_for(inputs, graph_bs)
         if graph_bs is not None:
+            in_graph = sample_graph is not None or processed_graph is not None
             seeds = self.sampling.sampler.draw_seeds(len(inputs.rows), inputs.temperatures, inputs.seeded_rows) \
-                if sample_graph is not None else None
-            started, dev_idx = self.cuda_graphs.upload(inputs, self.batch.block_table, graph_bs, seeds)
+                if in_graph else None
+            started, dev_idx = self.cuda_graphs.upload(inputs, self.batch.block_table, graph_bs, seeds,
+                                                       processed_graph)
         else:
             started, (input_ids, positions, meta, dev_idx) = self._upload(inputs, host)
         self.phases.begin("forward" if graph_bs is None else "graph replay", plan.step_id)
@@ -258,6 +265,9 @@ class ModelRunner:
             sample_graph.replay()
             tokens_host, event = host.tokens_to_host(self.cuda_graphs.graph_inputs["tokens"][: len(inputs.rows)])
             logprobs_host = prompt_logprobs_host = None
+        elif processed_graph is not None:
+            tokens_host, event, logprobs_host = self.sampling.sample_in_graph(inputs, host, processed_graph)
+            prompt_logprobs_host = None
         else:
             sampled = self.sampling.sample(inputs, host, hidden, dev_idx)
             tokens_host, event, logprobs_host, prompt_logprobs_host = sampled

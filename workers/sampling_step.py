@@ -26,6 +26,7 @@ import torch
 from common import envs
 from common.protocol import Logprobs, f32, i32
 from gpu_kernels.sampling_inputs import PenaltyBits
+from workers.cuda_graphs import ProcessedReplay
 from workers.fused_sampling import FusedSampling
 from workers.host_buffers import HostBuffers
 from workers.input_batch import StepInputs
@@ -54,11 +55,17 @@ class LogprobsOnHost:
     ranks: torch.Tensor  # [P] int64
     top_logprobs: torch.Tensor  # [P, N] float32, N >= every num_top
     top_token_ids: torch.Tensor  # [P, N] int64
+    # [P] int64: positions of the reported rows in the four tensors above, when those hold more rows (a sampling
+    # graph's outputs for its whole batch); None: the tensors hold exactly the P positions
+    select: np.ndarray | None = None
 
     def to_wire(self) -> Logprobs:
         """The `Logprobs` struct; top entries of logprob -inf (tokens a filter removed) are left out."""
-        top_lp = self.top_logprobs.numpy()
-        top_ids = self.top_token_ids.numpy()
+        tensors = (self.token_logprobs.numpy(), self.ranks.numpy(), self.top_logprobs.numpy(),
+                   self.top_token_ids.numpy())
+        if self.select is not None:
+            tensors = tuple(t[self.select] for t in tensors)
+        token_lp, ranks, top_lp, top_ids = tensors
         want = np.repeat(self.num_top, self.counts)  # [P]
         keep = (np.arange(top_lp.shape[1])[None, :] < want[:, None]) & np.isfinite(top_lp)
         per_position = keep.sum(axis=1)
@@ -69,8 +76,8 @@ class LogprobsOnHost:
             num_top = per_position
         else:
             rows, counts, num_top = self.rows, self.counts, per_position[starts] if len(starts) else per_position
-        return Logprobs(i32(rows), i32(counts), i32(num_top), f32(self.token_logprobs.numpy()),
-                        i32(self.ranks.numpy()), i32(top_ids[keep]), f32(top_lp[keep]))
+        return Logprobs(i32(rows), i32(counts), i32(num_top), f32(token_lp), i32(ranks), i32(top_ids[keep]),
+                        f32(top_lp[keep]))
 
 
 class SamplingStep:
@@ -153,6 +160,27 @@ class SamplingStep:
             event = torch.cuda.Event()
             event.record()
         return out, event, lp_host, prompt_lp
+
+    def sample_in_graph(self, inputs: StepInputs, host: HostBuffers, replay: ProcessedReplay
+                        ) -> tuple[torch.Tensor, torch.cuda.Event | None, LogprobsOnHost | None]:
+        """Sample a decode step with processed rows by replaying its processed-sampling graph (its inputs already
+        uploaded: workers/cuda_graphs.py): first the grammar rows' bitmask, then the replay, then the copies of the
+        logprobs (every row's, the asking rows picked on the host) and of the tokens. Returns the tokens on their
+        way to the host, their event and the logprobs."""
+        h = inputs.processing
+        assert h is not None
+        if h.grammars:
+            replay.io.set_bitmask(self._grammar_bitmask(h.grammars))
+        replay.graph.replay()
+        b, out = len(inputs.sampling_rows), replay.out
+        lp_host = None
+        if len(h.logprob_rows) and self.rank == 0:
+            asked = h.rows[h.logprob_rows]
+            lp_host = LogprobsOnHost(asked.astype(np.int32), np.ones(len(asked), np.int32), h.logprob_counts,
+                                     *(self._to_host(t[:b]) for t in (out.logprobs, out.ranks, out.top_logprobs,
+                                                                       out.top_ids)), select=asked)
+        tokens, event = host.tokens_to_host(out.tokens[:b])  # the graph's outputs cover its padded batch
+        return tokens, event, lp_host
 
     def _sample_fused(self, inputs: StepInputs, logits: torch.Tensor) -> tuple[torch.Tensor, LogprobsOnHost | None]:
         """Every sampling row of a step with processed rows, in the fused sampler; the tokens `[S]` int64 and the
