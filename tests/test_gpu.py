@@ -3,6 +3,7 @@ run them all on the device with `bash scripts/gpu_tests.sh`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from benchmarks.gpu_correctness import hf_reference
 from common.config import EngineConfig
-from common.protocol import NewRequest, StepPlan, i32
+from common.protocol import NewRequest, SamplingOptions, StepPlan, i32
 from deltaserve import SamplingParams
 from tests.conftest import synthetic_prompt
 from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, hf_greedy, prompt_ids
@@ -163,8 +164,10 @@ def test_no_triton_kernel_compiles_after_the_warm_up(tiny_qwen3: Path, engine_fa
     rng = np.random.default_rng(0)
     lengths, max_tokens = rng.integers(1, 400, size=48), rng.integers(1, 120, size=48)
     prompts = [synthetic_prompt(int(n), seed=i) for i, n in enumerate(lengths)]
-    params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True)
-              for t, m in zip(rng.choice([0.0, 0.7, 1.0], size=48), max_tokens)]
+    # Every third request on the processed path (the fused processed-row sampler, eager and in its graphs).
+    processed = [{}, {"top_p": 0.9, "logprobs": 3}, {}, {}, {"top_k": 20, "repetition_penalty": 1.2}, {}]
+    params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True, **processed[i % 6])
+              for i, (t, m) in enumerate(zip(rng.choice([0.0, 0.7, 1.0], size=48), max_tokens))]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o["token_ids"]) for o in outputs] == max_tokens.tolist()
     llm.shutdown()
@@ -210,6 +213,53 @@ def test_sampling_in_the_decode_graph_draws_the_tokens_of_eager_sampling(tiny_qw
         torch.cuda.empty_cache()
     assert results[True] == results[False]
     assert len({tuple(t) for t in results[True]}) > 3  # the tokens move: the sampled ones are not stuck
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_processed_rows_sampled_in_the_graph_get_the_tokens_and_logprobs_of_eager_sampling(tiny_qwen3: Path,
+                                                                                           batch: int) -> None:
+    """A decode step with processed rows replays the processed-sampling graph (workers/sampling_graphs.py); with
+    the same seeds it must give exactly the tokens and logprobs of the eager fused sampler, with the penalty state
+    carried across steps alike (greedy, sampled, seeded, filtered, penalized and biased rows side by side)."""
+    from workers.model_runner import ModelRunner
+
+    cfg = EngineConfig(model=str(tiny_qwen3), device="cuda", dtype="bfloat16", block_size=16, max_model_len=256,
+                       max_num_seqs=8, cuda_graph_sizes=(1, 4, 8), attention_backend="triton").resolve()
+    options = [SamplingOptions(top_k=30, top_p=0.9, logprobs=3), None,
+               SamplingOptions(repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={5: 2.0}, logprobs=0),
+               SamplingOptions(min_p=0.05, presence_penalty=0.5), SamplingOptions(logprobs=5)]
+    prompts = [synthetic_prompt(10 + 3 * i, seed=i) for i in range(batch)]
+    temperatures = [(0.0, 0.8, 1.0, 1.3)[i % 4] for i in range(batch)]
+    seeds = [7 if i % 3 == 1 else None for i in range(batch)]
+    plans = [StepPlan(0, new_requests=[NewRequest(i, i32(p), temperatures[i], seeds[i], i32(range(8 * i, 8 * i + 8)),
+                                                  0, len(p), options[i % len(options)])
+                                       for i, p in enumerate(prompts)])]
+    plans += [StepPlan(s, decode_seq_ids=i32(range(batch))) for s in range(1, 24)]
+    results = {}
+    for in_graph in (True, False):
+        runner = ModelRunner(cfg, 0, "tcp://127.0.0.1:0")
+        runner.allocate_kv_cache(64)
+        runner.capture_cuda_graphs()
+        assert set(runner.cuda_graphs.processed_graphs) == {1, 4, 8}
+        if not in_graph:
+            runner.cuda_graphs.processed_graphs.clear()
+        tokens, logprobs, pending = [], [], None
+        for plan in plans:
+            step = runner.execute(plan)
+            if pending is not None:
+                tokens.append(runner.finalize(pending).tolist())
+                logprobs.append(pending.logprobs)
+            pending = step
+        tokens.append(runner.finalize(pending).tolist())
+        logprobs.append(pending.logprobs)
+        results[in_graph] = (tokens, logprobs)
+        del runner
+        torch.cuda.empty_cache()
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert all(np.array_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
