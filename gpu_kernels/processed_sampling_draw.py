@@ -190,7 +190,7 @@ def _rank_kernel(
         tl.store(rank_ptr + row * num_chunks + chunk, above)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_top"])  # one compiled variant for every width the rows ask for (0..MAX_TOP)
 def _finish_kernel(
     iparams_ptr, row_ptr, rank_ptr, top_v_ptr, top_id_ptr, flags_ptr, overflow_ptr,
     logprob_ptr, rank_out_ptr, top_logprob_ptr, top_ids_ptr, threshold_ptr, flags_out_ptr, num_chunks, num_top,
