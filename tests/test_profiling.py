@@ -29,7 +29,7 @@ from common.profiling import (
 )
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
 from frontend.client_cli import main as client_main
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until_serving
 from tests.test_config import write_checkpoint
 
 PROCESSES = ("frontend", "scheduler", "worker-tp0")
@@ -323,15 +323,15 @@ def test_a_server_is_profiled_from_the_client_command_line(tiny_qwen3: Path, tmp
     port = free_port()
     server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port", str(port),
                                "--device", "cpu", "--max-model-len", "256", "--profile-dir", str(folder),
-                               "--profile-steps", "none"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+                               "--profile-steps", "none"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
 
     def client(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), *argv], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
 
     try:
-        assert "serving" in server.stdout.readline()
+        wait_until_serving(server, drain=True)
         result = client("--stop-profile")
         assert result.returncode == 1 and "error: not profiling (0 sessions so far)" in result.stderr
         result = client("--start-profile", "50")
