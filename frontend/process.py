@@ -29,7 +29,14 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError, quote, shorten
-from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred, trim_heap
+from common.proc import (
+    engine_process_main,
+    launcher_gone,
+    signal_name,
+    stop_signals_deferred,
+    torch_threads,
+    trim_heap,
+)
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     ERROR_ENGINE_DOWN,
@@ -110,7 +117,8 @@ class FrontendProcess:
             raise RuntimeError(f"expected EngineReady from the scheduler, got {type(msg).__name__}")
         self.validator.num_kv_blocks, self.validator.block_size = msg.num_kv_blocks, msg.block_size
         self.ready_info = dict(msg.info)
-        ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
+        ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict(),
+                                                         "torch_threads": torch_threads()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
         eos = self.tokenizer.eos_token_id  # the HTTP server's stop_reason is None at this one (vLLM's rule)

@@ -49,7 +49,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import engine_process_main
+from common.proc import engine_process_main, torch_threads
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
 from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
@@ -155,7 +155,7 @@ class HTTPServerProcess:
     async def _report_ready(self, client: AsyncEngineClient) -> None:
         info = await client.engine_info()
         ipc.send(self.control, ProcessReady(self.name, {"url": f"http://{self.host}:{self.port}",
-                                                         "model": info.model}))
+                                                         "model": info.model, "torch_threads": torch_threads()}))
         log.info("%s serving %s on http://%s:%d", self.name, info.model, self.host, self.port)
 
     def _on_sigterm(self, client: AsyncEngineClient, server: uvicorn.Server) -> None:
