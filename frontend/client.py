@@ -57,12 +57,14 @@ class EngineConnectionError(RuntimeError):
 
 def output_dict(out: RequestOutput) -> dict[str, Any]:
     """A finished request's output as plain data, as `LLM.generate` returns it: nano-vllm's `text` and
-    `token_ids` (of sample 0) with its `finish_reason` and `stop_reason`, `error`, `num_prompt_tokens`,
-    `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids, finish_reason,
-    stop_reason, logprobs, cumulative_logprob); and `prompt_logprobs` (None unless asked for)."""
+    `token_ids` (of sample 0) with its `finish_reason`, `stop_reason` and `structured_output_incomplete`, `error`,
+    `num_prompt_tokens`, `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids,
+    finish_reason, stop_reason, logprobs, cumulative_logprob, structured_output_incomplete); and `prompt_logprobs`
+    (None unless asked for)."""
     prompt = out.prompt_logprobs
     return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason, "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+            "stop_reason": out.stop_reason, "structured_output_incomplete": out.structured_output_incomplete,
+            "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
             "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics,
             "outputs": [dataclasses.asdict(s) for s in out.outputs],
             "prompt_logprobs": None if prompt is None else [p and dataclasses.asdict(p) for p in prompt]}
@@ -468,6 +470,7 @@ class StreamedOutput:
                 whole.stop_reason = delta.stop_reason
             if delta.cumulative_logprob is not None:  # a running sum: the latest is the whole
                 whole.cumulative_logprob = delta.cumulative_logprob
+            whole.structured_output_incomplete |= delta.structured_output_incomplete
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.last = out
@@ -487,7 +490,7 @@ class StreamedOutput:
         return RequestOutput(self.request_id, first.text, first.token_ids, last.finished, first.finish_reason,
                              last.error, last.num_prompt_tokens, last.num_cached_tokens, dict(last.metrics),
                              first.stop_reason, first.logprobs, first.cumulative_logprob, self.prompt_logprobs,
-                             first.index, samples[1:], last.error_type)
+                             first.index, samples[1:], last.error_type, first.structured_output_incomplete)
 
 
 if __name__ == "__main__":  # `python -m frontend.client` runs the command line

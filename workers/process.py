@@ -172,7 +172,7 @@ class WorkerProcess:
         self.profiling.phases.begin("send result", step.step_id)
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
-                                              step.prompt_logprobs, step.failed))
+                                              step.prompt_logprobs, step.failed, i32(step.grammar_incomplete)))
         self.profiling.phases.end()
         self.profiling.step_done(step.step_id, step.timings)
         self.step_log.write({"step": step.step_id, **step.timings})
