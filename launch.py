@@ -260,7 +260,7 @@ def refuse_prompt_when_serving(parser: ArgumentParser, args: argparse.Namespace)
                      f"then send prompts to {base}/completions or /v1/chat/completions (curl, or the openai client "
                      f"with base_url='{base}'){zmq}")
     if args.serve or args.port is not None:
-        flag = "--port serves ZeroMQ clients" if args.port is not None else "--serve serves"
+        flag = "--port serves ZeroMQ clients" if args.port is not None else "--serve starts a server"
         parser.error(f"--prompt is for one-shot runs, and {flag}: start the server without --prompt, then send "
                      f"prompts with python -m frontend.client --port {args.port or 8000} (or EngineClient), or serve "
                      "HTTP too with --http-port and send them to /v1/completions (curl, or the openai client)")
