@@ -1,4 +1,7 @@
-"""deltaserve's command line: one-shot generation, or serving over ZeroMQ.
+"""deltaserve's command line: one-shot generation, or serving over ZeroMQ and HTTP.
+
+Status lines (the serving banner, "engine ready", errors, the profile summary) go to stderr, as vLLM logs; stdout
+carries only the answers of a one-shot run.
 
     python launch.py                                  # demo: SmolLM2-135M-Instruct answers a few questions
     python launch.py --model DIR --prompt "Hi" --json # one-shot on a local Qwen3 / Llama checkpoint
@@ -146,11 +149,12 @@ def build_parser() -> ArgumentParser:
     v.add_argument("--serve", action="store_true", help="serve clients until interrupted (Ctrl-C / SIGTERM)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP server and the ZeroMQ client socket bind to (0.0.0.0: every interface)")
-    v.add_argument("--port", type=int, default=None,
-                   help="ZeroMQ client socket port (1..65535); default 8000, or none with --http-port (the HTTP "
+    v.add_argument("--port", type=int, default=None, metavar="PORT",
+                   help="ZeroMQ client socket port (python -m frontend.client, EngineClient), not HTTP: that is "
+                        "--http-port; 1..65535; implies --serve; default 8000, or none with --http-port (the HTTP "
                         "server then reaches the engine inside this host)")
-    v.add_argument("--http-port", type=int, default=None,
-                   help="serve the OpenAI-compatible HTTP API on this port (implies --serve)")
+    v.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="the OpenAI-compatible HTTP API's port (vLLM's --port); implies --serve")
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $DELTASERVE_API_KEY, "
                         "else no key)")
@@ -202,7 +206,7 @@ def _print_worker_command(rank: int, argv: list[str], env: dict[str, str]) -> No
     assigns = " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
     print(f"deltaserve: start worker rank {rank} on its host (same model path, a checkout of deltaserve) with the "
           f"command below; it holds this launch's secret keys, so pass it over a trusted channel:\n"
-          f"  {assigns} {shlex.join(['python', *argv[1:]])}", flush=True)
+          f"  {assigns} {shlex.join(['python', *argv[1:]])}", file=sys.stderr, flush=True)
 
 
 def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
@@ -246,6 +250,22 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"cannot resolve --host {unresolved[0]!r}: {unresolved[1]}")
 
 
+def refuse_prompt_when_serving(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse `--prompt` beside a flag that serves (`--serve`, `--port`, `--http-port`), in one line that says how to
+    send the prompt to the server instead: over HTTP when it serves HTTP, else with the ZeroMQ client."""
+    if args.http_port is not None:
+        base = f"http://{args.host}:{args.http_port}/v1"
+        zmq = f", or with python -m frontend.client --port {args.port}" if args.port is not None else ""
+        parser.error(f"--prompt is for one-shot runs, and --http-port serves: start the server without --prompt, "
+                     f"then send prompts to {base}/completions or /v1/chat/completions (curl, or the openai client "
+                     f"with base_url='{base}'){zmq}")
+    if args.serve or args.port is not None:
+        flag = "--port serves ZeroMQ clients" if args.port is not None else "--serve starts a server"
+        parser.error(f"--prompt is for one-shot runs, and {flag}: start the server without --prompt, then send "
+                     f"prompts with python -m frontend.client --port {args.port or 8000} (or EngineClient), or serve "
+                     "HTTP too with --http-port and send them to /v1/completions (curl, or the openai client)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -253,13 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     from common.ipc import AddressInUseError
     from frontend.launcher import EngineDeadError, EngineProcesses, EngineStartError, HTTPOptions
 
-    if args.http_port is not None:
-        args.serve = True
+    if args.prompt:
+        refuse_prompt_when_serving(parser, args)
+    args.serve = args.serve or args.port is not None or args.http_port is not None
     demo = args.model is None and not args.prompt and not args.serve
     if not args.serve and not args.prompt and not demo:
         parser.error("give --prompt (one or more), or --serve")
-    if args.serve and args.prompt:
-        parser.error("--prompt is for one-shot runs; with --serve, send prompts with python -m frontend.client")
     from frontend.cli import sampling_params_from_args
 
     params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
@@ -343,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 where.append(f"ZeroMQ clients on {engine.endpoints.client}")
             print(f"deltaserve: serving {info['model']} ({config.model}) to {' and '.join(where)} "
                   f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}); "
-                  "Ctrl-C to stop", flush=True)
+                  "Ctrl-C to stop", file=sys.stderr, flush=True)
             engine.wait()
             return 0
         print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model})", file=sys.stderr)
@@ -351,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)
         how = "Ctrl-C" if _stop_signal == signal.SIGINT else _stop_signal.name
-        try:  # what the frontend tells its clients, rather than that it got SIGTERM
-            engine.endpoints.write_stop_reason(f"the server was stopped ({how})")
+        what = "the server was stopped" if args.serve else "the run was interrupted"
+        try:  # what the frontend tells its clients (and logs), rather than that it got SIGTERM
+            engine.endpoints.write_stop_reason(f"{what} ({how})")
         except OSError:
             pass
         return 128 + _stop_signal

@@ -23,6 +23,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -73,9 +74,14 @@ def serve(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, dict[s
            "--max-model-len", "256", "--transport", args.transport, "--log-level", "ERROR"]
     if args.max_waiting_requests:
         cmd += ["--max-waiting-requests", str(args.max_waiting_requests)]
-    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    line = server.stdout.readline()
-    assert "serving" in line, line
+    server = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    for line in server.stderr:  # launch.py's status lines, the serving banner among them
+        print(line, end="", file=sys.stderr)
+        if line.startswith("deltaserve: serving "):
+            break
+    else:
+        raise SystemExit(f"the server exited with code {server.wait()} before serving")
+    threading.Thread(target=lambda: sys.stderr.writelines(server.stderr), daemon=True).start()
     children = {}
     for pid in os.listdir("/proc"):
         if pid.isdigit():

@@ -44,6 +44,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -347,11 +348,12 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, os.path.join(REPO, "launch.py"), "--model", args.launch, "--http-port", str(port),
            "--max-model-len", str(args.max_model_len), *args.launch_arg]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # launch.py's status lines, the serving banner among them
         print(line, end="", file=sys.stderr)
-        if "serving" in line:
+        if line.startswith("deltaserve: serving "):
+            threading.Thread(target=lambda: sys.stderr.writelines(proc.stderr), daemon=True).start()
             return proc, f"http://127.0.0.1:{port}"
     raise SystemExit(f"the server exited with code {proc.wait()} before serving")
 

@@ -222,10 +222,25 @@ def scheduler_timeout_s() -> float:
     return _number("DELTASERVE_SCHEDULER_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
-def cpu_threads_given() -> bool:
-    """OMP_NUM_THREADS (read by torch, not ours): when set, CPU workers keep the thread count it
-    gives; otherwise each of N tensor-parallel CPU workers takes 1/N of torch's default threads."""
-    return bool(os.environ.get("OMP_NUM_THREADS"))
+def worker_threads() -> int | None:
+    """DELTASERVE_WORKER_THREADS: torch's intra-op threads in each worker process, CPU or GPU (a whole number >= 1);
+    None when unset, and `workers.process.worker_torch_threads` chooses: OMP_NUM_THREADS when set, else on CPU the
+    cores given to the process divided among the tensor-parallel ranks, on a GPU 1. The frontend, the scheduler and
+    the HTTP servers always use 1 (`common.proc.set_torch_threads`)."""
+    raw = _text("DELTASERVE_WORKER_THREADS")
+    if raw is None:
+        return None
+    word = raw.strip()
+    if not (word.isascii() and word.isdigit() and len(word) <= 6 and int(word) >= 1):
+        raise ValueError(f"DELTASERVE_WORKER_THREADS must be a whole number >= 1 (threads), got {raw[:40]!r}")
+    return int(word)
+
+
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS (OpenMP's and torch's variable, not ours): the thread count it gives when it is a whole
+    number >= 1, else None (unset, blank, or a value torch itself ignores with a warning)."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 6 and int(raw) > 0 else None
 
 
 def frontend_timeout_s() -> float:
@@ -268,3 +283,4 @@ def check_all() -> None:
     check_invariants()
     step_log_dir()
     profile_with_stack()
+    worker_threads()

@@ -25,14 +25,16 @@ launcher once every process has exited.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from common import envs
@@ -45,6 +47,36 @@ log = logging.getLogger("deltaserve.profiling")
 PHASES_FORMAT = "deltaserve-phases/1"
 MAX_PHASES = 1_000_000  # per process and session (~100 MB): past it, phases are dropped and the file says so
 MERGE_WAIT_S = 60.0  # how long a merge waits for the files of processes that are still writing theirs
+
+
+KINETO_MARKER = b"USDT:"  # how kineto's lines for user-space tracing probes begin
+
+
+@contextlib.contextmanager
+def kineto_markers_dropped() -> Iterator[None]:
+    """Run the body with this process's stderr (file descriptor 2) captured, then write back every line captured but
+    kineto's "USDT:" markers, in order.
+
+    torch's kineto (torch 2.13) writes "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start"
+    (and profiler_stop) to stderr at every trace start and stop, in every profiled process. It logs them at its
+    highest level (USDT, above ERROR), so that KINETO_LOG_LEVEL hides them only with kineto's own errors (a CUPTI
+    that cannot trace the GPU, say), which are kept here. What other threads write meanwhile is held back until the
+    body ends (a start takes up to ~2 s, the first one).
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = memoryview(b"".join(line for line in captured if not line.startswith(KINETO_MARKER)))
+            while kept:
+                kept = kept[os.write(2, kept):]
 
 
 def session_folder(profile_dir: str, session: int) -> str:
@@ -147,11 +179,12 @@ class ProcessProfiler:
         if self.enabled:
             import torch.profiler
 
-            self._new_profile().start()
-            for _ in range(3):  # the first ranges cost a millisecond each (their Python code warming up)
-                with torch.profiler.record_function("warm-up"):
-                    pass
-            self._profile.stop()
+            with kineto_markers_dropped():
+                self._new_profile().start()
+                for _ in range(3):  # the first ranges cost a millisecond each (their Python code warming up)
+                    with torch.profiler.record_function("warm-up"):
+                        pass
+                self._profile.stop()
             self._profile = None
 
     @property
@@ -177,7 +210,8 @@ class ProcessProfiler:
 
         os.makedirs(msg.folder, exist_ok=True)
         self.session, self.steps = msg, {}
-        self._new_profile().start()
+        with kineto_markers_dropped():
+            self._new_profile().start()
         self._started = (time.perf_counter_ns(), clock_offset_ns())
         self.phases.start(torch.profiler.record_function)
 
@@ -195,7 +229,8 @@ class ProcessProfiler:
             return None
         self.phases.stop()
         stopped = (time.perf_counter_ns(), clock_offset_ns())
-        self._profile.stop()
+        with kineto_markers_dropped():
+            self._profile.stop()
         self.session = None
         trace = os.path.join(msg.folder, f"{self.name}.pt.trace.json.gz")
         try:

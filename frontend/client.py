@@ -57,12 +57,14 @@ class EngineConnectionError(RuntimeError):
 
 def output_dict(out: RequestOutput) -> dict[str, Any]:
     """A finished request's output as plain data, as `LLM.generate` returns it: nano-vllm's `text` and
-    `token_ids` (of sample 0) with its `finish_reason` and `stop_reason`, `error`, `num_prompt_tokens`,
-    `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids, finish_reason,
-    stop_reason, logprobs, cumulative_logprob); and `prompt_logprobs` (None unless asked for)."""
+    `token_ids` (of sample 0) with its `finish_reason`, `stop_reason` and `structured_output_incomplete`, `error`,
+    `num_prompt_tokens`, `num_cached_tokens`, `metrics`; `outputs`, one dict per sample (index, text, token_ids,
+    finish_reason, stop_reason, logprobs, cumulative_logprob, structured_output_incomplete); and `prompt_logprobs`
+    (None unless asked for)."""
     prompt = out.prompt_logprobs
     return {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason, "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
+            "stop_reason": out.stop_reason, "structured_output_incomplete": out.structured_output_incomplete,
+            "error": out.error, "num_prompt_tokens": out.num_prompt_tokens,
             "num_cached_tokens": out.num_cached_tokens, "metrics": out.metrics,
             "outputs": [dataclasses.asdict(s) for s in out.outputs],
             "prompt_logprobs": None if prompt is None else [p and dataclasses.asdict(p) for p in prompt]}
@@ -117,10 +119,16 @@ def _unsendable(req: GenerateRequest) -> str | None:
 
 
 class EngineClient:
-    """A connection to a running engine. One thread at a time: ZeroMQ sockets are not thread-safe, so a
-    thread that calls it while another thread's `generate()` (or `LLM.generate`) is under way gets a
-    `RuntimeError` saying so, before it sends anything; use one client per thread. Taking turns across
-    threads, and several `generate()` iterators in one thread, are fine."""
+    """A connection to a running engine (`launch.py --serve`; docs/python-api.md).
+
+    Requests: `generate()` sends one and yields its outputs; or `add_request()` sends one and returns its id,
+    `recv_outputs()` returns the outputs of every request as they come, and `abort()` stops requests. Neither
+    needs `common.protocol`: a request is a prompt (text or token ids) or chat messages, and `SamplingParams`.
+
+    One thread at a time: ZeroMQ sockets are not thread-safe, so a thread that calls it while another thread's
+    `generate()` (or `LLM.generate`) is under way gets a `RuntimeError` saying so, before it sends anything; use
+    one client per thread. Taking turns across threads, and several `generate()` iterators in one thread, are
+    fine."""
 
     def __init__(self, address: str, liveness: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
                  dead_after_s: float = 20.0, curve: CurveKeys | None = None) -> None:
@@ -144,6 +152,7 @@ class EngineClient:
         self.dead_after_s = dead_after_s
         self._pending: deque[RequestOutput] = deque()
         self._streams: dict[str, deque[RequestOutput]] = {}  # request id -> outputs waiting for its generate()
+        self._dropped: set[str] = set()  # requests of generate() iterators closed early: their outputs are dropped
         self._info: EngineInfo | None = None
         self._profile_status: ProfileStatus | None = None
         self._max_message_bytes: int | None = None  # the engine's, once asked (0: no limit)
@@ -177,11 +186,55 @@ class EngineClient:
                                "not thread-safe; make one client per thread")
 
     def new_request_id(self) -> str:
+        """A request id unique to this client ("<8 hex digits of this client>-<counter>")."""
         return f"{self._prefix}-{next(self._ids)}"
 
     # ------------------------------------------------------------------ sending
+    def add_request(self, prompt: str | Sequence[int] | Mapping[str, Any] | None = None,
+                    params: SamplingParams | None = None, *, messages: list[dict[str, Any]] | None = None,
+                    stream: bool = False, request_id: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """Send one request and return its id; its outputs come from `recv_outputs()`.
+
+        `prompt`: text (encoded as `tokenizer(prompt)` would), token ids, or vLLM's dict prompts `{"prompt": ...}`
+        and `{"prompt_token_ids": [...]}`; or instead `messages`, a conversation of `{"role", "content"}` dicts that
+        the engine renders with the model's chat template (`chat_template_kwargs`, e.g. `{"enable_thinking": False}`
+        for Qwen3, `add_generation_prompt` and `continue_final_message` as in vLLM's `LLM.chat`). `params`: its
+        `SamplingParams` (default `SamplingParams()`). `stream`: an output for every step with news (the text and
+        token ids new since the last one), else one when it finishes. `request_id`: default `new_request_id()`;
+        it must differ from this client's requests still running (the engine refuses a duplicate).
+
+        Raises `TypeError` for a prompt or messages of the wrong type, both or neither given, or `params` that are
+        not `SamplingParams`. A request the engine refuses (a prompt too long, a parameter out of range) is not
+        raised: it finishes at once with finish reason "error" and `error` saying why.
+        """
+        req = self._request(prompt, params, messages, stream, request_id)
+        if req.messages is not None:
+            req.chat_template_kwargs = dict(chat_template_kwargs or {})
+            req.add_generation_prompt, req.continue_final_message = add_generation_prompt, continue_final_message
+        with self.exclusive():
+            self.submit([req])
+        return req.request_id
+
+    def _request(self, prompt: Any, params: SamplingParams | None, messages: list[dict[str, Any]] | None,
+                 stream: bool, request_id: str | None) -> GenerateRequest:
+        """The `GenerateRequest` of `add_request`'s arguments (`messages` may also come as `prompt`)."""
+        if (prompt is None) == (messages is None):
+            raise TypeError("give a prompt or messages" + (", not both" if prompt is not None else ""))
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if messages is not None and not (isinstance(messages, list) and messages
+                                         and all(isinstance(m, Mapping) for m in messages)):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        req = GenerateRequest(request_id or self.new_request_id(), sampling=(params or SamplingParams()).to_dict(),
+                              stream=stream)
+        set_prompt(req, messages if messages is not None else prompt)
+        return req
+
     def submit(self, requests: list[GenerateRequest]) -> None:
-        """Send `requests`. One that cannot be encoded (a token id or count past 64 bits, text with a
+        """Send `requests` (`common.protocol.GenerateRequest`s: the batch form of `add_request`, one message for
+        many requests, which `LLM` uses). One that cannot be encoded (a token id or count past 64 bits, text with a
         lone surrogate), has a request id over `MAX_REQUEST_ID_CHARS` characters, or alone is larger than
         the engine's `max_message_bytes`, is not sent: it finishes at once with finish reason "error"
         naming the bad field or the limit, and `recv_outputs` delivers it like the engine's own
@@ -241,9 +294,18 @@ class EngineClient:
             self._max_message_bytes = int(self.engine_info().info.get("max_message_bytes") or 0)
         return self._max_message_bytes
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Stop these requests of this client's (one id or a list); each then finishes with finish reason "abort"
+        and the text it has, delivered by `recv_outputs()`. Ids unknown to the engine or finished are ignored."""
         self._check_thread()
-        self._send(encode(Abort(list(request_ids))))
+        self._send(encode(Abort([request_ids] if isinstance(request_ids, str) else list(request_ids))))
+
+    def _drop(self, request_id: str) -> None:
+        """Abort `request_id` and keep every output of it still to come (its final one too) from `recv_outputs`."""
+        if not any(o.request_id == request_id and o.finished for o in self._pending):
+            self._dropped.add(request_id)
+        self._pending = deque(o for o in self._pending if o.request_id != request_id)
+        self.abort([request_id])
 
     # ------------------------------------------------------------------ receiving
     def _receive(self, timeout_s: float | None) -> bool:
@@ -262,7 +324,12 @@ class EngineClient:
             if self.sock.poll(100):
                 msg = decode(self.sock.recv())
                 if isinstance(msg, RequestOutputs):
-                    self._pending.extend(msg.outputs)
+                    dropped = self._dropped
+                    for out in msg.outputs:
+                        if out.request_id not in dropped:
+                            self._pending.append(out)
+                        elif out.finished:
+                            dropped.discard(out.request_id)
                     return True
                 if isinstance(msg, EngineInfo):
                     self._info = msg
@@ -283,9 +350,19 @@ class EngineClient:
                                             f"{self.dead_after_s:.0f} s")
 
     def recv_outputs(self, timeout_s: float | None = None) -> list[RequestOutput]:
-        """The next outputs (any of this client's requests); [] after `timeout_s` seconds."""
-        if not self._pending and not self._receive(timeout_s):
-            return []
+        """The outputs that came for this client's requests (`add_request`, `submit`), as soon as there is at least
+        one: `RequestOutput`s, at most one per request per step, a request's last one with `finished` set. Waits at
+        most `timeout_s` seconds (None: as long as the engine lives), then returns [].
+
+        Outputs of requests that a `generate()` iterator owns go to that iterator instead, and those of a
+        `generate()` closed early (its request aborted) to nobody. Raises `EngineConnectionError` if the engine
+        does not answer for `dead_after_s` seconds, `RuntimeError` if it refused a message of this client's."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._pending:  # a message may hold only outputs of dropped requests: wait on
+            if not self._receive(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return []
+            if not self._pending and deadline is not None and time.monotonic() > deadline:
+                return []
         outputs = list(self._pending)
         self._pending.clear()
         return outputs
@@ -335,18 +412,17 @@ class EngineClient:
                  stream: bool = True) -> Iterator[RequestOutput]:
         """Submit one request and yield its outputs (deltas when streaming) until it finishes.
 
-        `prompt`: text, token ids, or chat messages (`set_prompt`; raises `TypeError` for other
-        types, or for `sampling_params` that are not `SamplingParams`). Closing the iterator early
-        aborts the request. Raises `EngineConnectionError` after `close()`.
+        `prompt`: text, token ids, or chat messages (as `add_request` takes them; raises `TypeError` for other
+        types, or for `sampling_params` that are not `SamplingParams`). Closing the iterator early (a `break` out
+        of the loop) aborts the request, and none of its outputs reaches `recv_outputs()` later. Raises
+        `EngineConnectionError` after `close()`.
         """
         if self.sock.closed:
             raise EngineConnectionError("this client has been closed")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
-        params = sampling_params or SamplingParams()
-        rid = self.new_request_id()
-        req = GenerateRequest(rid, sampling=params.to_dict(), stream=stream)
-        set_prompt(req, prompt)
+        req = self._request(prompt, sampling_params, None, stream, None)
+        rid = req.request_id
         with self.exclusive():
             box = self._streams[rid] = deque()
             self.submit([req])
@@ -365,7 +441,7 @@ class EngineClient:
                 del self._streams[rid]
                 self._pending.extendleft(reversed(others))
                 if not finished:
-                    self.abort([rid])
+                    self._drop(rid)
 
     def close(self) -> None:
         self.sock.close()
@@ -394,6 +470,7 @@ class StreamedOutput:
                 whole.stop_reason = delta.stop_reason
             if delta.cumulative_logprob is not None:  # a running sum: the latest is the whole
                 whole.cumulative_logprob = delta.cumulative_logprob
+            whole.structured_output_incomplete |= delta.structured_output_incomplete
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.last = out
@@ -413,7 +490,7 @@ class StreamedOutput:
         return RequestOutput(self.request_id, first.text, first.token_ids, last.finished, first.finish_reason,
                              last.error, last.num_prompt_tokens, last.num_cached_tokens, dict(last.metrics),
                              first.stop_reason, first.logprobs, first.cumulative_logprob, self.prompt_logprobs,
-                             first.index, samples[1:], last.error_type)
+                             first.index, samples[1:], last.error_type, first.structured_output_incomplete)
 
 
 if __name__ == "__main__":  # `python -m frontend.client` runs the command line

@@ -96,6 +96,7 @@ class SampleState:
         self.eos_token_id = None if params.ignore_eos else getattr(tokenizer, "eos_token_id", None)
         self.sent_chars = self.sent_tokens = self.sent_logprobs = 0  # already streamed to the client
         self.finish_sent = False
+        self.structured_output_incomplete = False  # ended by "length" before its constraint was complete
 
     @property
     def finished(self) -> bool:
@@ -153,10 +154,12 @@ class SampleState:
         if stream:
             out = SampleOutput(self.index, text[self.sent_chars:], self.token_ids[self.sent_tokens:],
                                self.finish_reason, self.stop_reason,
-                               None if lps is None else lps[self.sent_logprobs:], self.cumulative_logprob)
+                               None if lps is None else lps[self.sent_logprobs:], self.cumulative_logprob,
+                               self.structured_output_incomplete)
         else:
             out = SampleOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
-                               None if lps is None else list(lps), self.cumulative_logprob)
+                               None if lps is None else list(lps), self.cumulative_logprob,
+                               self.structured_output_incomplete)
         self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
         self.sent_logprobs = len(lps) if lps is not None else 0
         self.finish_sent = self.finished

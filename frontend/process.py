@@ -29,7 +29,14 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError, quote, shorten
-from common.proc import engine_process_main, launcher_gone, signal_name, stop_signals_deferred, trim_heap
+from common.proc import (
+    engine_process_main,
+    launcher_gone,
+    signal_name,
+    stop_signals_deferred,
+    torch_threads,
+    trim_heap,
+)
 from common.profiling import FrontendProfiling, run_id_of
 from common.protocol import (
     ERROR_ENGINE_DOWN,
@@ -110,7 +117,8 @@ class FrontendProcess:
             raise RuntimeError(f"expected EngineReady from the scheduler, got {type(msg).__name__}")
         self.validator.num_kv_blocks, self.validator.block_size = msg.num_kv_blocks, msg.block_size
         self.ready_info = dict(msg.info)
-        ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict()}))
+        ipc.send(self.control, ProcessReady("frontend", {"client": self.client_address, **self.engine_info_dict(),
+                                                         "torch_threads": torch_threads()}))
 
     def engine_info_dict(self) -> dict[str, Any]:
         eos = self.tokenizer.eos_token_id  # the HTTP server's stop_reason is None at this one (vLLM's rule)
@@ -418,6 +426,12 @@ class FrontendProcess:
                 continue
             st, sample = entry
             sample.finish(fin.reason)
+            if fin.structured_output_incomplete and sample.finish_reason == "length":
+                sample.structured_output_incomplete = True
+                log.warning("request %s%s stopped at max_tokens (finish reason length) before its structured output "
+                            "was complete: its text does not match the constraint (raise max_tokens, or bound the "
+                            "schema: docs/parameters.md)", st.request_id,
+                            f" (sample {sample.index})" if len(st.samples) > 1 else "")
             st.num_unfinished -= 1
             st.num_preemptions += fin.num_preemptions
             if fin.seq_id == st.seq_id:
@@ -466,7 +480,7 @@ class FrontendProcess:
         out = RequestOutput(st.request_id, first.text, first.token_ids, finished, first.finish_reason,
                             st.error if finished else None, st.num_prompt_tokens, st.num_cached_tokens, {},
                             first.stop_reason, first.logprobs, first.cumulative_logprob, prompt_logprobs, first.index,
-                            outs[1:])
+                            outs[1:], structured_output_incomplete=first.structured_output_incomplete)
         if finished:
             out.metrics = {"ttft_s": (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0,
                            "e2e_s": now - st.arrival_time, "num_preemptions": st.num_preemptions}

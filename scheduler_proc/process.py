@@ -28,7 +28,7 @@ import zmq
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.proc import StepLog, engine_process_main, trim_heap
+from common.proc import StepLog, engine_process_main, torch_threads, trim_heap
 from common.profiling import SchedulerProfiling, run_id_of
 from common.protocol import (
     AbortSeqs,
@@ -127,7 +127,8 @@ class SchedulerProcess:
                 "step_timeout_s": self.step_timeout_s, "step_timeout_floor_s": self.watchdog.floor_s,
                 "warning": warning}
         ipc.send(self.to_frontend, EngineReady(num_blocks, cfg.block_size, info))
-        ipc.send(self.control, ProcessReady("scheduler", {"num_kv_blocks": num_blocks}))
+        ipc.send(self.control, ProcessReady("scheduler", {"num_kv_blocks": num_blocks,
+                                                          "torch_threads": torch_threads()}))
         log.info("scheduler ready: %d KV blocks of %d tokens", num_blocks, cfg.block_size)
 
     def _recv_worker(self) -> object:

@@ -279,6 +279,8 @@ class Scheduler:
 
         if num_scheduled == 0 and not self.finished_for_workers and not preempted_ids:
             return None
+        # Constrained rows that sample their request's last token: the workers say if the grammar was left incomplete.
+        check_grammar = [s.seq_id for rows in sampling for s in rows if s.grammar_id >= 0 and not self._wants_tokens(s)]
         plan = StepPlan(
             step_id=self.next_step_id if num_scheduled else -1,
             new_requests=new_requests,
@@ -290,6 +292,7 @@ class Scheduler:
             finished_seq_ids=i32(self.finished_for_workers),
             preempted_seq_ids=i32(preempted_ids),
             forked_requests=forks,
+            check_grammar_seq_ids=i32(check_grammar),
         )
         running.extend(forked)
         self.finished_for_workers = []
@@ -355,7 +358,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return seq.seq_id
 
-    def _finish(self, seq: Sequence, reason: str, finished: list[FinishedSeq], error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, finished: list[FinishedSeq], error: str | None = None,
+                structured_output_incomplete: bool = False) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -372,7 +376,7 @@ class Scheduler:
         if seq.grammar_id >= 0:
             self.grammars.release(seq.grammar_id)
         finished.append(FinishedSeq(seq.seq_id, reason, max(seq.num_cached_tokens, 0), error, seq.num_preemptions,
-                                    seq.queue_time_s))
+                                    seq.queue_time_s, structured_output_incomplete))
         while seq.num_unforked:  # samples never forked (it ended before its prompt did) end with it
             fork = seq.make_fork()
             finished.append(FinishedSeq(fork.seq_id, reason, 0, error, 0, seq.queue_time_s))
@@ -397,6 +401,7 @@ class Scheduler:
         cached: dict[int, int] = {}
         max_model_len = self.config.max_model_len
         bs = self.config.block_size
+        incomplete = set(result.grammar_incomplete_seq_ids.tolist()) if len(result.grammar_incomplete_seq_ids) else ()
         for row, (seq, token) in enumerate(zip(step.sampling_seqs, tokens)):
             seq.num_pending_tokens -= 1
             if seq.status is SeqStatus.FINISHED:
@@ -412,7 +417,7 @@ class Scheduler:
             if token in seq.stop_token_ids and num_tokens - seq.num_prompt_tokens > seq.min_tokens:
                 self._finish(seq, "stop", finished)
             elif num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= max_model_len:
-                self._finish(seq, "length", finished)
+                self._finish(seq, "length", finished, structured_output_incomplete=seq.seq_id in incomplete)
             elif min(seq.num_computed_tokens, num_tokens) // bs > seq.num_hashed_blocks:
                 self.block_manager.cache_full_blocks(seq)
         for seq_id, why in result.failed.items():

@@ -121,6 +121,35 @@ def tiny_qwen3_trained_scale(tmp_path_factory: pytest.TempPathFactory, qwen3_tok
                                 initializer_range=0.02, hidden_size=128, head_dim=32)
 
 
+SERVING_BANNER = "deltaserve: serving "  # the line launch.py writes on stderr once its engine serves
+
+
+def wait_until_serving(proc: subprocess.Popen, timeout_s: float = 300.0, drain: bool = False) -> str:
+    """Read the stderr of `proc` (a `launch.py` serving, started with `stderr=subprocess.PIPE, text=True`) until its
+    serving banner; returns the lines read, the banner last. The rest stays in the pipe for the test to read, or,
+    with `drain`, is read and dropped as it comes (so that a full pipe never blocks the server). Fails the test if
+    the process ends or `timeout_s` seconds pass first."""
+    import threading
+
+    lines: list[str] = []
+    served = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            if not served.is_set():
+                lines.append(line)
+                if line.startswith(SERVING_BANNER):
+                    served.set()
+                    if not drain:
+                        return
+        served.set()  # the process ended
+
+    threading.Thread(target=read, daemon=True).start()
+    served.wait(timeout_s)
+    assert lines and lines[-1].startswith(SERVING_BANNER), f"no serving banner on stderr: {''.join(lines)}"
+    return "".join(lines)
+
+
 def synthetic_prompt(num_tokens: int, seed: int) -> list[int]:
     """Token ids from a fixed-seed RNG in 1000..20000 (no special tokens)."""
     return np.random.default_rng(seed).integers(1000, 20000, size=num_tokens).tolist()

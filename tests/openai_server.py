@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.ipc import free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, SERVING_BANNER
 
 API_KEY = "test-key-123"
 
@@ -92,7 +91,7 @@ def http_process_pid(launcher_pid: int, index: int = 0) -> int:
 def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | None = API_KEY,
                 timeout_s: float = 300.0, soft_nofile: int | None = None,
                 hard_nofile: int | None = None) -> Iterator[HTTPServer]:
-    """`launch.py --model MODEL --http-port P --device cpu ...` until it prints that it serves; stopped with
+    """`launch.py --model MODEL --http-port P --device cpu ...` until it says on stderr that it serves; stopped with
     Ctrl-C (SIGINT) at the end, which must end it cleanly. `soft_nofile`, `hard_nofile`: the launcher starts with
     this soft or hard RLIMIT_NOFILE (as under a shell's `ulimit -Sn` or `ulimit -Hn`; the soft one follows a
     lowered hard one)."""
@@ -104,15 +103,12 @@ def http_server(model: Path | str, tmp_path: Path, *extra: str, api_key: str | N
         cmd += ["--api-key", api_key]
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env,
                                 start_new_session=True, preexec_fn=_lower_nofile(soft_nofile, hard_nofile))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
     server = HTTPServer(f"http://127.0.0.1:{port}", proc, stderr_path, api_key)
     try:
         deadline = time.monotonic() + timeout_s
-        while not any("serving" in line for line in lines):
+        while SERVING_BANNER not in server.stderr():  # a status line: on stderr
             assert proc.poll() is None, f"the server exited with {proc.returncode}: {server.stderr()}"
             assert time.monotonic() < deadline, f"the server did not start: {server.stderr()}"
             time.sleep(0.05)

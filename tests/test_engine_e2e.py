@@ -205,6 +205,59 @@ def test_two_generate_iterators_of_one_client_can_be_read_in_turn(llm: LLM) -> N
         client.close()
 
 
+def test_breaking_out_of_generate_leaves_nothing_of_that_request_for_recv_outputs(llm: LLM) -> None:
+    """The aborted request's final output (finish reason "abort") surfaced in the next recv_outputs()."""
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        stream = client.generate("Tell me a story", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        first = next(stream)
+        stream.close()  # as a `break` out of a for loop does: the request is aborted
+        # The frontend answers in order: the abort's final output comes before this request's end.
+        (after,) = client.generate("Hi", GREEDY8, stream=False)
+        late = client.recv_outputs(timeout_s=1.0)
+    finally:
+        client.close()
+    assert first.request_id != after.request_id and len(after.token_ids) == 8
+    assert late == []
+
+
+def test_a_client_submits_prompts_and_messages_aborts_and_receives_without_protocol_types(llm: LLM) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        text = client.add_request("Hello", GREEDY8, request_id="text")
+        chat = client.add_request(messages=[{"role": "user", "content": "Hi"}], params=GREEDY8, stream=True)
+        ids = client.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+        client.abort(ids)
+        finished, deltas = {}, 0
+        while len(finished) < 3:
+            for out in client.recv_outputs(timeout_s=30):
+                deltas += out.request_id == chat
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        client.close()
+    assert text == "text" and len(finished[text].token_ids) == 8 and finished[text].finish_reason == "length"
+    assert deltas == 8  # streamed: one output per token
+    assert finished[ids].finish_reason == "abort" and len(finished[ids].token_ids) < 300
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({}, TypeError, "give a prompt or messages"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, TypeError, "give a prompt or messages, not both"),
+    ({"prompt": b"a"}, TypeError, "decode it to str first"),
+    ({"prompt": "a", "params": {"max_tokens": 4}}, TypeError, "params must be SamplingParams, got dict"),
+    ({"messages": "Hi"}, TypeError, "messages must be a list of"),
+])
+def test_a_request_that_cannot_be_built_is_refused_before_anything_is_sent(
+        llm: LLM, kwargs: dict, error: type, message: str) -> None:
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        with pytest.raises(error, match=message):
+            client.add_request(**kwargs)
+    finally:
+        client.close()
+
+
 def test_a_frontend_busy_with_a_long_submission_is_not_taken_for_dead(llm: LLM) -> None:
     """8,000 texts (each too long for max_model_len 256, so rejected after tokenizing) keep the frontend busy
     for seconds; keep-alive Pongs stop a client with a 1.5 s silence limit from giving up."""

@@ -22,7 +22,7 @@ from common.ipc import free_port
 from common.protocol import GenerateRequest, Submit, encode
 from deltaserve import LLM, EngineClient, SamplingParams
 from frontend.launcher import EngineDeadError
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until_serving
 
 GREEDY8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -59,15 +59,13 @@ def run_root():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _serve(model: Path, port: int, run_root: Path,
-           stderr: int = subprocess.PIPE) -> tuple[subprocess.Popen, list[int], Path]:
+def _serve(model: Path, port: int, run_root: Path) -> tuple[subprocess.Popen, list[int], Path]:
     """`launch.py --serve` of `model` on CPU, its temporary folder `run_root`, once it says it serves:
     (the launcher, its child processes, its socket folder)."""
     server = subprocess.Popen([sys.executable, "launch.py", "--model", str(model), "--serve", "--port", str(port),
                                "--device", "cpu", "--max-model-len", "256"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=stderr, text=True, env={**os.environ, "TMPDIR": str(run_root)})
-    line = server.stdout.readline()
-    assert "serving" in line, line + (server.stderr.read() if server.stderr else "")
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(run_root)})
+    wait_until_serving(server)
     (run_dir,) = run_root.glob("deltaserve-*")
     return server, _children(server.pid), run_dir
 
@@ -276,7 +274,7 @@ def test_requests_of_a_client_that_went_away_are_aborted(tiny_qwen3: Path, engin
 
 
 def test_a_killed_launcher_takes_its_processes_and_socket_folder_with_it(tiny_qwen3: Path, run_root: Path) -> None:
-    server, children, run_dir = _serve(tiny_qwen3, free_port(), run_root, stderr=subprocess.DEVNULL)
+    server, children, run_dir = _serve(tiny_qwen3, free_port(), run_root)
     server.kill()
     server.wait()
     deadline = time.monotonic() + 10

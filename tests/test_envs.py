@@ -214,3 +214,18 @@ def test_pdl_is_on_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.Monk
         assert pdl.pdl_for(torch.zeros(1)) is False  # the interpreter: no launch option, no griddepcontrol
     pdl._requested.cache_clear()
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "four", "9" * 30])
+def test_worker_threads_must_be_a_whole_number_of_at_least_one(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DELTASERVE_WORKER_THREADS", value)
+    with pytest.raises(ValueError, match=r"^DELTASERVE_WORKER_THREADS must be a whole number >= 1 \(threads\), got"):
+        envs.check_all()
+
+
+def test_worker_threads_unset_or_blank_leaves_the_choice_to_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value in ("", " "):
+        monkeypatch.setenv("DELTASERVE_WORKER_THREADS", value)
+        assert envs.worker_threads() is None
+    monkeypatch.setenv("DELTASERVE_WORKER_THREADS", " 3 ")
+    assert envs.worker_threads() == 3

@@ -199,3 +199,129 @@ def test_a_ctrl_c_wrapped_by_a_class_body_still_counts_as_a_ctrl_c() -> None:
         assert launch._interrupted(wrapped)
     assert launch._interrupted(KeyboardInterrupt()) and not launch._interrupted(RuntimeError("a real error"))
     assert not launch._interrupted(None)
+
+
+# ----------------------------------------------------------------------------- which mode, which stream
+class FakeEngine:
+    """The part of `EngineProcesses` that launch.py's main uses, with no process behind it: it records what it was
+    made with and the stop reason it was left, and serves (or runs) until the interrupt `wait` raises."""
+
+    made: list[FakeEngine] = []
+
+    def __init__(self, config: object, client_address: str | None = None, client_listener: socket.socket | None = None,
+                 **kwargs: object) -> None:
+        self.config, self.client_address, self.stop_reasons = config, client_address, []
+        self.endpoints = self
+        self.client = client_address
+        if client_listener is not None:
+            client_listener.close()
+        http = kwargs.get("http")
+        if http is not None:
+            http.listener.close()
+        FakeEngine.made.append(self)
+
+    def start(self) -> dict[str, object]:
+        return {"model": "tiny", "num_kv_blocks": 10, "block_size": 16}
+
+    def wait(self) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while serving
+
+    def write_stop_reason(self, reason: str) -> None:
+        self.stop_reasons.append(reason)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[FakeEngine]:
+    """launch.main with `FakeEngine` for its engine and a config-only checkpoint for the demo model."""
+    import frontend.default_model
+    import frontend.launcher
+
+    FakeEngine.made = []
+    monkeypatch.setattr(frontend.launcher, "EngineProcesses", FakeEngine)
+    monkeypatch.setattr(frontend.default_model, "ensure_default_model", lambda: write_checkpoint(tmp_path / "demo"))
+    return FakeEngine
+
+
+def test_port_alone_serves_the_demo_model_on_that_zeromq_port(fake_engine: type[FakeEngine],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`launch.py --port P` ran the one-shot demo and exited 0, ignoring the port: --port implies --serve."""
+    from common.ipc import free_port
+    from launch import main
+
+    port = free_port()
+    assert main(["--port", str(port)]) == 130  # served until the Ctrl-C of FakeEngine.wait
+    (engine,) = fake_engine.made
+    assert engine.client_address == f"tcp://127.0.0.1:{port}"
+    assert engine.stop_reasons == ["the server was stopped (Ctrl-C)"]
+
+
+def test_the_serving_banner_and_every_status_line_go_to_stderr_not_stdout(
+        fake_engine: type[FakeEngine], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A script that waits on stderr for the banner never saw it: it alone went to stdout."""
+    from common.ipc import free_port
+    from launch import main
+
+    port, http_port = free_port(), free_port()
+    model = write_checkpoint(tmp_path / "m")
+    assert main(["--model", model, "--port", str(port), "--http-port", str(http_port)]) == 130
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (f"deltaserve: serving tiny ({fake_engine.made[0].config.model}) to the OpenAI API on "
+            f"http://127.0.0.1:{http_port}/v1 and ZeroMQ clients on tcp://127.0.0.1:{port}") in err
+    assert "deltaserve: stopping" in err
+
+
+def test_ctrl_c_of_a_one_shot_run_says_the_run_was_interrupted_not_that_a_server_stopped(
+        fake_engine: type[FakeEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import launch
+
+    def interrupted(*args: object, **kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "run_prompts", interrupted)
+    assert launch.main(["--model", write_checkpoint(tmp_path / "m"), "--prompt", "Hi"]) == 130
+    assert fake_engine.made[0].stop_reasons == ["the run was interrupted (Ctrl-C)"]
+    out, err = capsys.readouterr()
+    assert out == "" and "server" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--http-port", "{h}"],
+     "--prompt is for one-shot runs, and --http-port serves: start the server without --prompt, then send prompts to "
+     "http://127.0.0.1:{h}/v1/completions or /v1/chat/completions (curl, or the openai client with "
+     "base_url='http://127.0.0.1:{h}/v1')"),
+    (["--http-port", "{h}", "--port", "{p}"],
+     "send prompts to http://127.0.0.1:{h}/v1/completions or /v1/chat/completions (curl, or the openai client with "
+     "base_url='http://127.0.0.1:{h}/v1'), or with python -m frontend.client --port {p}"),
+    (["--port", "{p}"],
+     "--prompt is for one-shot runs, and --port serves ZeroMQ clients: start the server without --prompt, then send "
+     "prompts with python -m frontend.client --port {p} (or EngineClient), or serve HTTP too with --http-port and send "
+     "them to /v1/completions (curl, or the openai client)"),
+    (["--serve"], "then send prompts with python -m frontend.client --port 8000 (or EngineClient)"),
+])
+def test_a_prompt_with_a_serving_flag_is_refused_naming_how_to_send_it_to_the_server(
+        tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from common.ipc import free_port
+    from launch import main
+
+    ports = {"{h}": str(free_port()), "{p}": str(free_port())}
+    for key, port in ports.items():
+        argv = [a.replace(key, port) for a in argv]
+        message = message.replace(key, port)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", write_checkpoint(tmp_path / "m"), "--prompt", "Hi", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_help_says_which_port_is_zeromq_and_which_is_http() -> None:
+    """A vLLM user reads --port as the HTTP port: the help says it is not."""
+    from launch import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--port PORT ZeroMQ client socket port (python -m frontend.client, EngineClient), not HTTP" in text
+    assert "--http-port PORT the OpenAI-compatible HTTP API's port (vLLM's --port)" in text

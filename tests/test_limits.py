@@ -27,7 +27,7 @@ from common.protocol import (
     encode,
 )
 from deltaserve import LLM, EngineClient, SamplingParams
-from tests.conftest import REPO, synthetic_prompt
+from tests.conftest import REPO, synthetic_prompt, wait_until_serving
 
 GREEDY4 = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 LIMIT = 64 << 10  # 64 KiB, the least allowed
@@ -171,9 +171,9 @@ def test_a_client_of_a_killed_launcher_is_told_the_launcher_is_gone(tiny_qwen3: 
     """It was told that the frontend got SIGTERM (PR_SET_PDEATHSIG's signal), as if someone had stopped it."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port", str(port),
-                               "--device", "cpu", "--max-model-len", "4096"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert "serving" in server.stdout.readline()
+                               "--device", "cpu", "--max-model-len", "4096"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    wait_until_serving(server, drain=True)
     client = EngineClient(f"tcp://127.0.0.1:{port}", dead_after_s=8)
     outputs = client.generate("Tell me a story", SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True))
     try:

@@ -61,3 +61,12 @@ def test_the_http_process_usage_names_the_real_command(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and out.startswith("usage: python -m frontend.openai ")
     assert "--http-fd" in out
+
+
+def test_the_http_access_log_goes_to_stderr_with_every_other_status_line() -> None:
+    """uvicorn's own configuration writes its access log (--log-level DEBUG) to stdout."""
+    from frontend.openai.server import stderr_logging
+
+    handlers = stderr_logging()["handlers"]
+    assert {name: h["stream"] for name, h in handlers.items()} == {"default": "ext://sys.stderr",
+                                                                   "access": "ext://sys.stderr"}

@@ -856,6 +856,29 @@ def test_response_format_json_schema_gives_json_valid_against_the_schema(client:
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_a_reply_cut_before_its_schema_is_complete_says_so_beside_finish_reason_length(
+        client: openai.OpenAI, server: HTTPServer) -> None:
+    """A json_schema integer without `maximum` ran to max_tokens: finish "length" and invalid JSON, with nothing to
+    tell it from a complete reply. A non-standard field, which the openai client keeps in `model_extra`, says so."""
+    unbounded = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": unbounded}}
+    cut = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=3,
+                                         response_format=schema)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].model_extra["structured_output_incomplete"]
+    stream = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=3, stream=True,
+                                       extra_body={"response_format": schema})
+    ends = [c.choices[0] for c in stream if c.choices and c.choices[0].finish_reason]
+    assert [(e.finish_reason, e.model_extra.get("structured_output_incomplete")) for e in ends] == [("length", True)]
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert whole.choices[0].finish_reason == "stop"
+    assert "structured_output_incomplete" not in whole.choices[0].model_extra
+    deadline = time.monotonic() + 10
+    while f"request {cut.id} stopped at max_tokens" not in server.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine's log names the reply's id
+    assert f"request {cut.id} stopped at max_tokens" in server.stderr()
+
+
 def test_response_format_json_object_and_vllm_guided_fields_constrain_the_output(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="tiny", messages=CHAT, temperature=1, seed=1, max_tokens=40,
                                            response_format={"type": "json_object"})

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from common import timeline
+from common import profiling, timeline
 from common.config import ConfigError, EngineConfig, parse_profile_steps
 from common.ipc import free_port
 from common.profiling import (
@@ -29,7 +29,7 @@ from common.profiling import (
 )
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
 from frontend.client_cli import main as client_main
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until_serving
 from tests.test_config import write_checkpoint
 
 PROCESSES = ("frontend", "scheduler", "worker-tp0")
@@ -170,6 +170,22 @@ def test_a_frontend_without_profile_dir_refuses_at_once(tmp_path: Path) -> None:
     assert not prof.profiler.enabled and not prof.phases.recording
 
 
+def test_starting_and_stopping_a_trace_writes_none_of_kinetos_usdt_markers(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's kineto wrote "USDT: ... profiler_start" and "... profiler_stop" on the stderr of every profiled
+    process, at each start and stop (the warm-up at construction included); its other lines still come through."""
+    capfd.readouterr()
+    prof = ProcessProfiler("scheduler", str(tmp_path), "run", "cpu")
+    prof.start(ProfileStart(1, 0, 4, str(tmp_path)))
+    torch.ones(4).sum()
+    prof.stop()
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err, err
+    with profiling.kineto_markers_dropped():
+        os.write(2, b"USDT:2026-12-04 12:00:00 1:1 File.cpp:1] profiler_start\nsomething else\n")
+    assert capfd.readouterr().err == "something else\n"
+
+
 # ============================================================================ the clock
 def test_torch_profiler_events_are_put_on_the_monotonic_clock_by_the_phases_they_share(tmp_path: Path) -> None:
     """torch.profiler stamps events in Unix time (after `baseTimeNanoseconds`); our phases are on
@@ -282,6 +298,7 @@ def test_a_profiled_one_shot_run_writes_every_file_and_one_timeline_of_its_steps
     assert result.returncode == 0, result.stderr
     assert [json.loads(line)["finish_reason"] for line in result.stdout.splitlines()] == ["length", "length"]
     assert "deltaserve profile, session 1: steps 2..7 in" in result.stderr  # the summary, beside the logs
+    assert "USDT" not in result.stderr, result.stderr  # no process's kineto markers
     for name in PROCESSES:
         with gzip.open(folder / f"{name}.pt.trace.json.gz", "rt") as f:
             assert json.load(f)["traceEvents"]
@@ -323,15 +340,15 @@ def test_a_server_is_profiled_from_the_client_command_line(tiny_qwen3: Path, tmp
     port = free_port()
     server = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_qwen3), "--serve", "--port", str(port),
                                "--device", "cpu", "--max-model-len", "256", "--profile-dir", str(folder),
-                               "--profile-steps", "none"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+                               "--profile-steps", "none"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
 
     def client(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "frontend.client", "--port", str(port), *argv], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
 
     try:
-        assert "serving" in server.stdout.readline()
+        wait_until_serving(server, drain=True)
         result = client("--stop-profile")
         assert result.returncode == 1 and "error: not profiling (0 sessions so far)" in result.stderr
         result = client("--start-profile", "50")

@@ -455,6 +455,7 @@ class _StubStep:
         self.runner = runner
         self.logprobs = self.prompt_logprobs = None
         self.failed: dict[int, str] = {}
+        self.grammar_incomplete: list[int] = []
         # A device step (GPU) has an event: its result overlaps the next step's launch. A CPU step has none: it is
         # done when `execute` returns.
         self.event = object() if runner.on_device else None
@@ -538,3 +539,29 @@ def test_worker_loop_sends_a_cpu_step_before_the_next_runs_and_a_gpu_step_after_
     runner, sent = _run_worker_loop(monkeypatch, _StubRunner, plans)
     assert runner.calls == [("execute", 0), ("execute", 1), ("send", 0), ("execute", 2), ("send", 1), ("send", 2)]
     assert sent == [0, 1, 2]
+
+
+def test_a_constrained_request_is_checked_at_its_last_token_and_an_incomplete_grammar_reaches_its_finish() -> None:
+    """The plan that samples a constrained request's last token (max_tokens) names it, and only that plan; rank 0's
+    answer that its grammar was then incomplete marks its "length" finish (structured outputs, issue 32)."""
+    from common.protocol import GrammarCompiled, GrammarSpec
+
+    sched = Scheduler(config())
+    finished = []
+    for seq_id in (0, 10):  # the same grammar; request 10 ends complete
+        req = make_request(seq_id, synthetic_prompt(5, seq_id), max_tokens=2)
+        req.grammar = GrammarSpec("regex", "[a-z]+")
+        sched.add_request(req)
+    work = sched.take_grammar_work()
+    sched.grammar_compiled(GrammarCompiled(0, work.grammars[0].grammar_id))
+    checked = []
+    while sched.num_unfinished:
+        plan = sched.schedule()
+        checked.append(plan.check_grammar_seq_ids.tolist())
+        tokens = [7] * len(sched.in_flight[-1].sampling_seqs)
+        incomplete = i32([0] if 0 in checked[-1] else [])
+        finished += sched.process_result(StepResult(plan.step_id, i32(tokens),
+                                                    grammar_incomplete_seq_ids=incomplete)).finished
+    assert checked == [[], [0, 10]]  # the prefill samples token 1 of 2; the decode step samples the last
+    assert [(f.seq_id, f.reason, f.structured_output_incomplete) for f in finished] == [(0, "length", True),
+                                                                                       (10, "length", False)]

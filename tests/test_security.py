@@ -208,7 +208,9 @@ def test_the_printed_worker_command_carries_its_keys_in_its_environment(capsys) 
     keys = curve.CurveKeys(*curve.new_key_pair(), curve.new_key_pair()[0])
     launch._print_worker_command(1, ["/usr/bin/python3", "-m", "workers", "--rank", "1"],
                                  {curve.ENV_VAR: keys.to_json()})
-    line = capsys.readouterr().out.splitlines()[1]
+    out, err = capsys.readouterr()
+    line = err.splitlines()[1]  # with every other status line, on stderr
+    assert out == ""
     words = shlex.split(line)
     assert words[0] == f"{curve.ENV_VAR}={keys.to_json()}" and words[1:] == ["python", "-m", "workers", "--rank", "1"]
     assert curve.CurveKeys.from_json(words[0].split("=", 1)[1]) == keys
@@ -271,8 +273,9 @@ def test_client_key_options_that_cannot_be_used_are_refused_by_name(tiny_qwen3: 
                                                                      message: str, capsys) -> None:
     import launch
 
+    port = [] if "--prompt" in argv else ["--port", str(ipc.free_port())]  # --port serves: not with --prompt
     with pytest.raises(SystemExit) as exit_info:
-        launch.main(["--model", str(tiny_qwen3), "--port", str(ipc.free_port()), *argv])
+        launch.main(["--model", str(tiny_qwen3), *port, *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -112,6 +112,25 @@ def test_a_constrained_request_cut_by_max_tokens_ends_with_length_and_returns_wh
     assert out["text"].startswith("{")
 
 
+UNBOUNDED_INTEGER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_an_output_cut_by_max_tokens_before_its_constraint_is_complete_says_so(llm: LLM) -> None:
+    """A fresh user's json_schema integer without `maximum` ran to max_tokens ("1111...", finish "length", no valid
+    JSON), and nothing said that the constraint had not finished. Here: a choice one token cannot finish, one token
+    that does finish its choice (the end token would have come next), JSON cut early (llguidance), and each of two
+    samples on its own. (The log line naming the request: tests/test_openai_server.py.)"""
+    choice = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs={"choice": ["abcdef ghijkl"]})
+    done = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs={"choice": ["a"]})
+    two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=3, structured_outputs={"json": UNBOUNDED_INTEGER})
+    outs = llm.generate([PROMPT] * 4, [choice, done, json_params(UNBOUNDED_INTEGER, max_tokens=3), two],
+                        use_tqdm=False)
+    assert [o["finish_reason"] for o in outs] == ["length"] * 4
+    assert [o["structured_output_incomplete"] for o in outs] == [True, False, True, True]
+    assert outs[1]["text"] == "a"
+    assert [s["structured_output_incomplete"] for s in outs[3]["outputs"]] == [True, True]
+
+
 def test_unconstrained_requests_get_the_same_tokens_beside_constrained_ones(llm: LLM) -> None:
     plain = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
              SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),

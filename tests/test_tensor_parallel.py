@@ -4,8 +4,6 @@ dies or stops is in tests/test_tensor_parallel_failures.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from deltaserve import LLM, SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_engine_vs_hf import ID_PROMPTS, TEXT_PROMPTS, hf_greedy, prompt_ids
+from workers.process import cores_given
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -53,24 +52,6 @@ def test_tp2_greedy_tokens_equal_transformers(arch: str, tiny_qwen3: Path, tiny_
     assert sum(o["num_cached_tokens"] for o in again) > 0
 
 
-def test_cpu_workers_share_the_cores_unless_omp_num_threads_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two CPU workers each taking every core ran 5.6x slower than each taking half."""
-    from workers.process import set_cpu_threads
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    before = torch.get_num_threads()
-    try:
-        for default, tp, expected in [(8, 2, 4), (8, 3, 2), (2, 4, 1), (8, 1, 8)]:
-            torch.set_num_threads(default)
-            assert set_cpu_threads("cpu", tp) == expected == torch.get_num_threads()
-        torch.set_num_threads(8)
-        assert set_cpu_threads("cuda", 2) == 8
-        monkeypatch.setenv("OMP_NUM_THREADS", "8")
-        assert set_cpu_threads("cpu", 2) == 8
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_one_kv_head_for_two_ranks_and_row_parallel_biases_give_transformers_tokens(
         tmp_path: Path, qwen3_tokenizer_dir: Path, engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:
     """One checkpoint for two TP=2 paths (an engine start each would be most of the time): fewer KV heads than ranks
@@ -86,12 +67,9 @@ def test_one_kv_head_for_two_ranks_and_row_parallel_biases_give_transformers_tok
         weights[name] = torch.randn(weights[name].shape, generator=g)
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it for every other engine
-    # torch's default thread count where OMP_NUM_THREADS is unset, as the workers start with it:
-    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                                 capture_output=True, text=True, check=True).stdout)
     llm = engine_factory(model, block_size=16, max_model_len=512, tensor_parallel_size=2)
-    share = max(1, default // 2)  # each CPU worker took its share of the cores
-    assert [llm.engine.process_info[f"worker-tp{r}"]["cpu_threads"] for r in (0, 1)] == [share, share]
+    share = max(1, cores_given() // 2)  # each CPU worker took its share of the cores (tests/test_torch_threads.py)
+    assert [llm.engine.process_info[f"worker-tp{r}"]["torch_threads"] for r in (0, 1)] == [share, share]
     outs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
     for ids, out in zip(prompt_ids(model), outs):
         assert out["token_ids"] == hf_greedy(str(model), tuple(ids))

@@ -77,6 +77,10 @@ class PendingStep:
     prompt_logprobs: Logprobs | None = None
     tokens: np.ndarray | None = None  # [S] int32 once received (ModelRunner.receive), in row order
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its grammar refused its token
+    # constrained requests sampling their last token here (`StepPlan.check_grammar_seq_ids`), and once the
+    # tokens are received, the seq ids of those whose grammar was then incomplete
+    check_grammar: list[ReqState] = field(default_factory=list)
+    grammar_incomplete: list[int] = field(default_factory=list)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -281,6 +285,8 @@ class ModelRunner:
                    "graph": graph_bs or 0, **self.sampling.take_grammar_timings()}
         step = PendingStep(plan.step_id, inputs.sampling_states, tokens_host, event, timings, started, ended,
                            self._last_step_end, logprobs_host, prompt_logprobs_host)
+        if len(plan.check_grammar_seq_ids):
+            step.check_grammar = [self.batch.reqs[seq_id] for seq_id in plan.check_grammar_seq_ids.tolist()]
         self._last_step_end = ended
         self._last_launched = step
         return step
@@ -329,8 +335,9 @@ class ModelRunner:
 
     def receive(self, step: PendingStep) -> np.ndarray:
         """Wait for a step's sampled tokens, record them in the batch and advance the constrained requests'
-        matchers by them (their refusals go to `step.failed`); return them (int32, row order). Once per step:
-        a later call returns the same tokens."""
+        matchers by them (their refusals go to `step.failed`, and the requests of `step.check_grammar` whose grammar
+        is then incomplete to `step.grammar_incomplete`); return them (int32, row order). Once per step: a later
+        call returns the same tokens."""
         if step.tokens is None:
             if step.event is not None:
                 step.event.synchronize()
@@ -340,6 +347,8 @@ class ModelRunner:
             if constrained:
                 errors = self.structured.accept([st.grammar for st, _ in constrained], [t for _, t in constrained])
                 step.failed = {constrained[i][0].seq_id: why for i, why in errors.items()}
+            step.grammar_incomplete = [st.seq_id for st in step.check_grammar
+                                       if st.grammar is not None and not st.grammar.accepting()]
         return step.tokens
 
     def finalize(self, step: PendingStep) -> np.ndarray:

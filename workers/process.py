@@ -13,15 +13,15 @@ ahead. When no plan is waiting and the launched step has completed, it is finali
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-import torch
 import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
 from common.errors import ExplainedError
-from common.proc import StepLog, engine_process_main, trim_heap
+from common.proc import StepLog, engine_process_main, torch_threads, trim_heap
 from common.profiling import WorkerProfiling, run_id_of
 from common.protocol import (
     CompileGrammars,
@@ -47,16 +47,31 @@ log = logging.getLogger("deltaserve.worker")
 SCHEDULER_SILENCE_S = 15.0  # a worker started by hand exits when the scheduler is silent this long
 
 
-def set_cpu_threads(device_type: str, tp: int) -> int:
-    """Give a CPU worker its share of the cores: torch's default thread count (the physical cores)
-    divided by the `tp` workers on the host, at least 1. Returns the thread count now in use.
+# torch threads of a GPU worker. Its own CPU work is small: each step's inputs (numpy, and tensors far below the
+# 32,768 elements from which torch splits an op over threads) and the grammar masks (xgrammar and llguidance fill
+# them on threads of their own). More threads would only wait on cores that the scheduler, the frontend and the
+# other ranks need, for the few host ops that split: one is enough.
+GPU_WORKER_THREADS = 1
 
-    Every worker taking all the cores makes them fight for them, and tensor parallelism on CPU ran
-    5.6x slower. Left alone on GPUs, and when OMP_NUM_THREADS is set (the user's choice wins).
-    """
-    if device_type == "cpu" and not envs.cpu_threads_given():
-        torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-    return torch.get_num_threads()
+
+def cores_given() -> int:
+    """The CPUs this process may run on (`os.sched_getaffinity`: a container's or `taskset`'s share, not the
+    host's count, which torch's default follows); os.cpu_count() where affinity is unknown (not Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def worker_torch_threads(device_type: str, tp: int) -> int:
+    """torch's intra-op threads for a worker on `device_type` ("cpu" or "cuda") among `tp` tensor-parallel ranks:
+    DELTASERVE_WORKER_THREADS when set; else OMP_NUM_THREADS when set (a user's choice before that variable
+    existed); else, on CPU, the cores given to this process divided among the `tp` ranks, at least 1 (every rank
+    taking every core made tensor parallelism on CPU 5.6x slower); on a GPU, `GPU_WORKER_THREADS`."""
+    chosen = envs.worker_threads() or envs.omp_num_threads()
+    if chosen is not None:
+        return chosen
+    return max(1, cores_given() // max(1, tp)) if device_type == "cpu" else GPU_WORKER_THREADS
 
 
 class WorkerProcess:
@@ -68,7 +83,6 @@ class WorkerProcess:
         self.control = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.control, bind=False)
         self.plans = endpoints.make_socket(self.ctx, zmq.PULL, endpoints.plans[rank], bind=False)
         self.results = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.worker_out, bind=False)
-        self.cpu_threads = set_cpu_threads(resolve_device(config.device, rank).type, config.tensor_parallel_size)
         self.endpoints = endpoints
         self._grammar_results: zmq.Socket | None = None  # made, used (and closed) by the compile thread only
         self.runner = ModelRunner(config, rank, endpoints.dist_init, endpoints.listen_fds.get(endpoints.dist_init, -1),
@@ -93,7 +107,7 @@ class WorkerProcess:
         self.compile_watch.install()
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.cuda_graphs.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),
-                                                                      "cpu_threads": self.cpu_threads}))
+                                                                      "torch_threads": torch_threads()}))
 
     def _report_grammar(self, msg: GrammarCompiled) -> None:
         """Called from the compile thread: ZeroMQ sockets are not thread-safe, so it sends on its own."""
@@ -158,7 +172,7 @@ class WorkerProcess:
         self.profiling.phases.begin("send result", step.step_id)
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
-                                              step.prompt_logprobs, step.failed))
+                                              step.prompt_logprobs, step.failed, i32(step.grammar_incomplete)))
         self.profiling.phases.end()
         self.profiling.step_done(step.step_id, step.timings)
         self.step_log.write({"step": step.step_id, **step.timings})
@@ -181,4 +195,6 @@ def main(argv: list[str] | None = None) -> None:
     engine_process_main(
         "worker", "workers", "deltaserve worker process (one per device / tensor-parallel rank)",
         lambda config, endpoints, args: WorkerProcess(config, endpoints, args.rank, external=args.parent_pid is None),
-        argv, with_rank=True)
+        argv, with_rank=True,
+        threads_of=lambda config, args: worker_torch_threads(resolve_device(config.device, args.rank).type,
+                                                             config.tensor_parallel_size))

@@ -65,7 +65,10 @@ no collective; the alternative, rank 0 broadcasting its bitmask, would add a col
 make the other ranks wait for rank 0's CPU.
 
 After the grammar is complete, only the model's end tokens are allowed; a request that goes on anyway
-(`ignore_eos`) keeps drawing end tokens. A token the matcher refuses (possible only when another parameter,
+(`ignore_eos`) keeps drawing end tokens. A request stopped by max_tokens is checked once, after its last token
+(`RequestGrammar.accepting`): the scheduler names it in the plan of that step, and rank 0 reports whether its
+output was left incomplete (`StepResult.grammar_incomplete_seq_ids`), which the client sees beside finish reason
+"length". A token the matcher refuses (possible only when another parameter,
 bad_words or min_tokens, banned every token the grammar allowed) fails its request (`StepResult.failed`).
 """
 
@@ -133,6 +136,16 @@ class RequestGrammar:
         """The grammar is complete: only end tokens may follow (xgrammar: one was accepted; llguidance: nothing
         but one can be)."""
         return self.matcher.is_stopped() if self.guidance else self.matcher.is_terminated()
+
+    def accepting(self) -> bool:
+        """The output so far is a whole sentence of the grammar, which may end here (a closed JSON value, a full
+        match of the regex or a choice), though it might also go on ("12" of `[0-9]+`); False once the matcher
+        refused a token. Read for a request that stops at max_tokens: False means its text does not match."""
+        if self.error is not None:
+            return False
+        if self.guidance:
+            return self.matcher.is_accepting()
+        return self.matcher.is_completed() or self.matcher.is_terminated()
 
 
 class StructuredOutputManager:

@@ -64,7 +64,10 @@ Structured outputs: the frontend sends a request's constraint (`GrammarSpec`) to
 scheduler numbers each distinct one and has every rank compile it (`CompileGrammars`, answered by
 `GrammarCompiled`) before the request is first scheduled; `NewRequest` then names it by
 `SamplingOptions.grammar_id`. The workers hold the matchers and advance them with the tokens they sample:
-no mask crosses a socket.
+no mask crosses a socket. A constrained request that reaches max_tokens (or max_model_len) is named in the plan of
+the step that samples its last token (`StepPlan.check_grammar_seq_ids`); rank 0 answers whether its grammar was
+then incomplete (`StepResult.grammar_incomplete_seq_ids`), and the flag travels on to the client
+(`FinishedSeq`, `SampleOutput.structured_output_incomplete`).
 
 Logprobs (`Logprobs`, CSR over rows, only for the requests that asked; nothing, not even a field, for the
 others): a sampled position costs 20 + 8 * N bytes (row index, position count, top count, logprob and

@@ -121,15 +121,18 @@ class SampleOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, else None
     logprobs: list[PositionLogprobs] | None = None  # one entry per token of `token_ids` (logprobs=N), else None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far (logprobs=N), else None
+    # finish reason "length" before its structured-output constraint was complete: the text does not match it
+    structured_output_incomplete: bool = False
 
 
 @wire_struct
 class RequestOutput:
     """Frontend -> client: news of one request (a delta when streaming, else the whole output).
 
-    The fields `text` .. `finish_reason`, `stop_reason`, `logprobs`, `cumulative_logprob` belong to sample
-    `index` (always 0 for n = 1); the request's other samples with news are in `samples`. `outputs` gives
-    them all as `SampleOutput`s in index order, the same for n = 1 and n > 1."""
+    The fields `text` .. `finish_reason`, `stop_reason`, `logprobs`, `cumulative_logprob`,
+    `structured_output_incomplete` belong to sample `index` (always 0 for n = 1); the request's other samples with
+    news are in `samples`. `outputs` gives them all as `SampleOutput`s in index order, the same for n = 1 and
+    n > 1."""
 
     request_id: str  # the client's, from GenerateRequest
     text: str = ""  # new text since the last output of this request
@@ -149,12 +152,14 @@ class RequestOutput:
     index: int = 0  # the sample the fields above describe
     samples: list[SampleOutput] = field(default_factory=list)  # the other samples with news, index order
     error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST, ERROR_ENGINE_DOWN or ERROR_OVERLOADED
+    # sample `index` finished with "length" before its structured-output constraint was complete
+    structured_output_incomplete: bool = False
 
     @property
     def outputs(self) -> list[SampleOutput]:
         """Every sample with news in this output (all n when not streaming), in index order."""
         first = SampleOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
-                             self.logprobs, self.cumulative_logprob)
+                             self.logprobs, self.cumulative_logprob, self.structured_output_incomplete)
         return sorted([first, *self.samples], key=lambda s: s.index)
 
 

@@ -51,6 +51,8 @@ class FinishedSeq:
     error: str | None = None  # set when reason == "error" (e.g. needs more KV blocks than exist)
     num_preemptions: int = 0  # times it was preempted and recomputed
     queue_time_s: float = -1.0  # seconds from arrival_time to its first scheduling; -1: never scheduled
+    # reason "length", and its output is no complete sentence of its structured-output grammar (invalid JSON, say)
+    structured_output_incomplete: bool = False
 
 
 @wire_message

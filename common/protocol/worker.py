@@ -74,6 +74,10 @@ class StepPlan:
     finished_seq_ids: Int32Array = empty_i32_field()  # finished or aborted: forget them (applied first)
     preempted_seq_ids: Int32Array = empty_i32_field()  # free their blocks, keep their tokens (applied first)
     forked_requests: list[ForkedRequest] = field(default_factory=list)  # applied after the rows; sample after them
+    # [c] constrained requests (structured outputs) whose row samples their last token in this step (max_tokens or
+    # max_model_len reached): rank 0 names in `StepResult.grammar_incomplete_seq_ids` those whose output then is
+    # no complete sentence of their grammar
+    check_grammar_seq_ids: Int32Array = empty_i32_field()
 
 
 @wire_message
@@ -88,6 +92,9 @@ class StepResult:
     # seq id -> why the request must fail: its grammar refused the token sampled for it, which happens only when
     # another parameter (bad_words, min_tokens) banned every token the grammar allowed
     failed: dict[int, str] = field(default_factory=dict)
+    # [i] of the plan's `check_grammar_seq_ids`, those whose output after this step's token is no complete sentence
+    # of their grammar (an unclosed JSON object, a choice half written)
+    grammar_incomplete_seq_ids: Int32Array = empty_i32_field()
 
 
 @wire_struct

@@ -86,6 +86,13 @@ def prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> list[dic
     return out
 
 
+def incomplete_constraint(sample: SampleOutput) -> dict[str, Any]:
+    """The non-standard choice field `structured_output_incomplete: true` of a sample that max_tokens cut before its
+    structured-output constraint was complete (finish reason "length", text that does not match); nothing
+    otherwise. The `openai` client keeps it in the choice's `model_extra`."""
+    return {"structured_output_incomplete": True} if sample.structured_output_incomplete else {}
+
+
 class Choices:
     """What one HTTP request has produced so far: per choice its output tokens, the characters of its text
     and whether its end was sent; per prompt the latest output of its engine request (prompt tokens,
@@ -149,7 +156,7 @@ def completion_response(head: dict[str, Any], outs: list[RequestOutput], choices
             items.append({"index": choice, "text": sample.text,
                           "logprobs": None if sample.logprobs is None else completion_logprobs(sample.logprobs, 0),
                           "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample),
-                          "prompt_logprobs": prompt_lps})
+                          "prompt_logprobs": prompt_lps, **incomplete_constraint(sample)})
     return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage()}
 
 
@@ -157,7 +164,8 @@ def chat_response(head: dict[str, Any], out: RequestOutput, choices: Choices) ->
     """The body of a non-streamed chat completion: a choice per sample of the finished output `out`."""
     items = [{"index": choice, "message": {"role": "assistant", "content": sample.text, "refusal": None},
               "logprobs": None if sample.logprobs is None else chat_logprobs(sample.logprobs),
-              "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample)}
+              "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample),
+              **incomplete_constraint(sample)}
              for choice, sample, _ in choices.add(0, out)]
     return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage(),
             "prompt_logprobs": prompt_logprobs(out.prompt_logprobs)}
@@ -214,7 +222,7 @@ class CompletionChunks(ChunkWriter):
 
     def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
         return {"index": choice, "text": "", "logprobs": None, "finish_reason": sample.finish_reason,
-                "stop_reason": self.choices.stop_reason(sample)}
+                "stop_reason": self.choices.stop_reason(sample), **incomplete_constraint(sample)}
 
 
 class ChatChunks(ChunkWriter):
@@ -229,4 +237,4 @@ class ChatChunks(ChunkWriter):
 
     def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
         return {"index": choice, "delta": {}, "logprobs": None, "finish_reason": sample.finish_reason,
-                "stop_reason": self.choices.stop_reason(sample)}
+                "stop_reason": self.choices.stop_reason(sample), **incomplete_constraint(sample)}

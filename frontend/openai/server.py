@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import logging
 import signal
 import socket
@@ -48,7 +49,7 @@ import zmq
 
 from common import envs, ipc
 from common.config import EngineConfig
-from common.proc import engine_process_main
+from common.proc import engine_process_main, torch_threads
 from common.protocol import ProcessReady
 from frontend.async_client import AsyncEngineClient
 from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S, raise_open_file_limit
@@ -62,6 +63,14 @@ FAIL_OPEN_REQUESTS_AFTER_S = 1.0
 LISTEN_BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 FD_RESERVE = 128  # descriptors kept for this process's own files and ZeroMQ sockets, beyond its connections
 FEW_CONNECTIONS = 4096  # below this many possible connections, the start-up log says how to raise it
+
+
+def stderr_logging() -> dict[str, Any]:
+    """uvicorn's logging configuration with its access log on stderr, beside every other status line of the engine
+    (uvicorn's own default writes it to stdout)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 class _Server(uvicorn.Server):
@@ -131,6 +140,7 @@ class HTTPServerProcess:
         level = self.config.log_level.lower()
         server = _Server(HTTPConfig(build_app(state), timeout_header=self.timeout_header_s,
                                     max_connections=self.max_connections, log_level=level, access_log=level == "debug",
+                                    log_config=stderr_logging(),
                                     lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                     timeout_keep_alive=self.timeout_keep_alive_s, server_header=False))
         loop = asyncio.get_running_loop()
@@ -145,7 +155,7 @@ class HTTPServerProcess:
     async def _report_ready(self, client: AsyncEngineClient) -> None:
         info = await client.engine_info()
         ipc.send(self.control, ProcessReady(self.name, {"url": f"http://{self.host}:{self.port}",
-                                                         "model": info.model}))
+                                                         "model": info.model, "torch_threads": torch_threads()}))
         log.info("%s serving %s on http://%s:%d", self.name, info.model, self.host, self.port)
 
     def _on_sigterm(self, client: AsyncEngineClient, server: uvicorn.Server) -> None:

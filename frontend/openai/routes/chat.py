@@ -29,14 +29,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     if req.tools or req.tool_choice not in (None, "none"):
         raise APIError(400, "tools: tool calling is not supported", param="tools" if req.tools else "tool_choice")
     sampling = state.sampling(req)
-    gen = GenerateRequest(state.client.new_request_id(), messages=chat_messages(req.messages), sampling=sampling,
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    gen = GenerateRequest(rid, messages=chat_messages(req.messages), sampling=sampling,  # the engine logs name rid
                           stream=bool(req.stream), add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message,
                           chat_template_kwargs=req.chat_template_kwargs or {},
                           add_special_tokens=req.add_special_tokens,
                           # without max_tokens a chat request may use the rest of the context (OpenAI's default)
                           max_tokens_within_context=bool(req.max_completion_tokens or req.max_tokens))
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = state.choices(1, sampling)
     writer = ChatChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "system_fingerprint": None}, choices, *stream_flags(req))

@@ -38,16 +38,17 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
         prompts = list(req.prompt)
     if not prompts:
         raise APIError(400, "prompt: must not be an empty list", param="prompt")
+    rid = f"cmpl-{uuid.uuid4().hex}"
     requests = []
-    for p in prompts:
-        gen = GenerateRequest(state.client.new_request_id(), sampling=sampling, stream=bool(req.stream),
+    for i, p in enumerate(prompts):  # the engine's logs name each prompt's request by the reply's id
+        gen = GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", sampling=sampling, stream=bool(req.stream),
                               add_special_tokens=req.add_special_tokens, max_tokens_within_context=True)
         if isinstance(p, str):
             gen.prompt = p
         else:
             gen.prompt_token_ids = list(p)
         requests.append(gen)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model}
     choices = state.choices(len(prompts), sampling)
     writer = CompletionChunks(head, choices, *stream_flags(req))
