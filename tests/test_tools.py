@@ -1,6 +1,7 @@
-"""Tool-call parsers, reasoning parsers and the tool_choice rules on crafted model outputs (no engine): well-formed
-calls, several calls, text around them, truncated and invalid ones; every stream, fed in any pieces, adds up to the
-whole answer."""
+"""Tool calling and reasoning without an engine: the tool-call and reasoning parsers on crafted model outputs
+(well-formed calls, several calls, text around them, truncated and invalid ones; every stream, fed in any pieces,
+adds up to the whole answer), the tool_choice rules and grammars, and the chat template's rendering of tools and of
+a history of calls (the frontend's, on the real Qwen3 tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import random
 import jsonschema
 import pytest
 
+from common.protocol import GenerateRequest
 from frontend.chat_output import ChatOutputReader, read_chat_output
 from frontend.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from frontend.tool_parsers import TOOL_PARSER_NAMES, ToolCallDelta, get_tool_parser, parse_with, tool_parsers
 from frontend.tool_parsers.forced import NamedCallStream, RequiredCallsStream
 from frontend.tools import ToolChoice, ToolRequestError, resolve_tool_choice, tool_constraint
+from frontend.validation import encode_prompt
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -301,3 +304,79 @@ def test_without_parallel_calls_only_the_first_call_is_returned() -> None:
     message = read_chat_output(HERMES_TWO_CALLS, tools=ToolChoice("auto", parallel=False, parser="hermes"))
 
     assert [c.name for c in message.tool_calls] == ["get_weather"] and message.content == "Let me look."
+
+
+# ---------------------------------------------------------------------------------------------- the chat template
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                    "{% endif %}")  # the demo model's: it never names tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+def chat_request(messages: list[dict], tools: list | None = None, **kwargs: object) -> GenerateRequest:
+    return GenerateRequest("r", messages=messages, tools=tools, **kwargs)
+
+
+def rendered(tokenizer, messages: list[dict], tools: list) -> list[int]:
+    """The token ids transformers' own rendering gives."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tools_reach_the_model_through_the_templates_own_rendering(tokenizer) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+
+    ids = encode_prompt(tokenizer, chat_request(messages, [WEATHER]))
+
+    text = tokenizer.decode(ids)
+    assert "# Tools" in text and '"name": "get_weather"' in text and "<tool_call>" in text
+    assert ids == rendered(tokenizer, messages, [WEATHER])
+
+
+def test_a_template_that_renders_no_tools_refuses_them_naming_tools(tokenizer) -> None:
+    plain = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = SMOLLM2_TEMPLATE
+    messages = [{"role": "user", "content": "Hi"}]
+
+    with pytest.raises(ValueError, match=r"^tools: the chat template of this model does not render tools"):
+        encode_prompt(plain, chat_request(messages, [WEATHER]))
+    assert encode_prompt(plain, chat_request(messages, []))  # an empty list: no tools
+    with pytest.raises(ValueError, match="^tools: only a chat request"):
+        encode_prompt(tokenizer, GenerateRequest("r", prompt="Hi", tools=[WEATHER]))
+
+
+def test_a_history_of_calls_and_tool_results_renders_with_the_arguments_as_objects(tokenizer) -> None:
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "sunny"}]
+
+    ids = encode_prompt(tokenizer, chat_request(messages, [WEATHER]))
+
+    as_objects = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, messages[2]]
+    assert ids == rendered(tokenizer, as_objects, [WEATHER])
+    text = tokenizer.decode(ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert messages[1]["content"] is None  # the request's own messages are left as they were
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ("{not json", r"messages\[1\].tool_calls\[0\].function.arguments is not JSON text"),
+    ('["a"]', r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"),
+])
+def test_call_arguments_that_are_no_json_object_are_refused_naming_them(tokenizer, arguments: str,
+                                                                        message: str) -> None:
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                      "function": {"name": "get_weather", "arguments": arguments}}]}]
+    with pytest.raises(ValueError, match=message):
+        encode_prompt(tokenizer, chat_request(messages, [WEATHER]))
