@@ -187,10 +187,13 @@ class LLM:
 
         def chat_result(i: int, out: RequestOutput) -> dict[str, Any]:
             result = self._result(i, out)
-            for sample in [result, *result["outputs"]]:
+            for sample in result["outputs"]:
                 message = read_chat_output(sample["text"], reasoning, out.prompt_reasoning, choice)
-                sample.update(content=message.content, reasoning_content=message.reasoning_content,
-                              tool_calls=[c.to_openai() for c in message.tool_calls])
+                read = {"content": message.content, "reasoning_content": message.reasoning_content,
+                        "tool_calls": [c.to_openai() for c in message.tool_calls]}
+                sample.update(read)
+                if sample["index"] == out.index:  # the sample the top-level fields describe
+                    result.update(read)
             return result
 
         return self._run(requests, sampling_params, use_tqdm, chat_result)

@@ -155,6 +155,28 @@ def test_each_of_n_samples_follows_the_schema_with_its_own_matcher(llm: LLM) -> 
     assert len({tuple(s["token_ids"]) for s in out["outputs"]}) > 1  # distinct samples, each valid
 
 
+# ============================================================================ forced tool calls
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer",
+                                                                                        "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_is_valid_on_a_random_model_through_the_offline_api(llm: LLM, tool_choice: object) -> None:
+    """LLM.chat(tools=..., tool_choice=...) needs no tool-call parser for a forced call: the grammar writes it."""
+    outs = llm.chat([{"role": "user", "content": "Weather in Oslo?"}],
+                    SamplingParams(temperature=1.0, seed=3, max_tokens=120, n=2),
+                    use_tqdm=False, tools=[CITY_TOOL], tool_choice=tool_choice, parallel_tool_calls=False)
+
+    for sample in outs[0]["outputs"]:
+        assert sample["finish_reason"] == "stop", sample["text"]
+        (call,) = sample["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and sample["content"] is None
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CITY_TOOL["function"]["parameters"])
+    assert outs[0]["tool_calls"] == outs[0]["outputs"][0]["tool_calls"]
+
+
 # ============================================================================ the two libraries
 def test_the_xgrammar_backend_gives_valid_json_for_the_twenty_schemas(tiny_qwen3: Path, engine_factory) -> None:
     engine = engine_factory(tiny_qwen3, device="cpu", block_size=16, max_model_len=512, num_kvcache_blocks=400,
