@@ -142,6 +142,16 @@ def test_without_forcing_the_model_may_open_its_reasoning_before_a_required_call
     assert message.model_extra["reasoning_content"]  # the 7 tokens after <think>
 
 
+def test_reasoning_streams_as_reasoning_content_deltas(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=6, stream=True,
+                                                 logit_bias={str(THINK_START): 100}))  # it opens <think>, never ends
+
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = [d.model_extra.get("reasoning_content") for d in deltas[1:-1]]
+    assert all(reasoning) and len(reasoning) >= 2 and not any(d.content for d in deltas[1:])
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 # ---------------------------------------------------------------------------------------------- auto
 def test_auto_reads_the_call_the_model_wrote_whole_and_streamed(client: openai.OpenAI) -> None:
     forced = {**NO_THINKING, "structured_outputs": {"regex": re.escape("Let me check. " + FORCED_CALL)}}
