@@ -207,6 +207,15 @@ def test_an_agent_loop_sends_the_call_and_its_result_back_and_gets_an_answer(cli
     assert final.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+def test_tokenize_counts_the_prompt_a_chat_request_with_tools_runs(client: openai.OpenAI, server: HTTPServer) -> None:
+    answer = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
+                                            temperature=0, max_tokens=1)
+    with_tools = httpx.post(f"{server.url}/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=60).json()
+    without = httpx.post(f"{server.url}/tokenize", json={"messages": ASK}, timeout=60).json()
+
+    assert with_tools["count"] == answer.usage.prompt_tokens > without["count"]
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def chat(server: HTTPServer, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body},

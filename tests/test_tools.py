@@ -268,6 +268,12 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(parser: str, prom
     assert "".join(r for r, _ in parts) == (reasoning or "") and "".join(c for _, c in parts) == content
 
 
+def test_the_engine_config_names_every_reasoning_parser() -> None:
+    from common.config import REASONING_PARSERS as CONFIG_NAMES
+
+    assert sorted(REASONING_PARSERS) == sorted(CONFIG_NAMES) == ["deepseek_r1", "qwen3"]
+
+
 def test_the_prompt_tail_says_where_the_output_starts() -> None:
     qwen3 = REASONING_PARSERS["qwen3"]
 

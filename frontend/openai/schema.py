@@ -192,6 +192,7 @@ class TokenizeRequest(RequestModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None  # with messages: as a chat request renders them
 
 
 class DetokenizeRequest(RequestModel):
