@@ -216,3 +216,13 @@ def test_the_prompt_that_closed_the_reasoning_leaves_the_whole_output_to_the_con
 
     assert choice["message"]["content"] == "Paris. <think> is text here." and "reasoning_content" not in \
         choice["message"]
+
+
+def test_an_engine_refusal_that_names_tools_is_a_400_on_the_tools_field() -> None:
+    from common.protocol import ERROR_INVALID_REQUEST
+    from frontend.openai.serving import engine_error
+
+    why = "tools: the chat template of this model does not render tools (its text never names `tools`), ..."
+    error = engine_error(RequestOutput("a", finished=True, error=why, error_type=ERROR_INVALID_REQUEST), "messages")
+
+    assert (error.status, error.param, error.message) == (400, "tools", why)
