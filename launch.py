@@ -54,6 +54,7 @@ try:
         DEVICES,
         DTYPES,
         KV_CACHE_DTYPES,
+        REASONING_PARSERS,
         STRUCTURED_OUTPUTS_BACKENDS,
         ConfigError,
         EngineConfig,
@@ -62,6 +63,7 @@ try:
     from common.sampling_params import SamplingParams
     from common.units import count
     from frontend.cli import ArgumentParser, HelpFormatter
+    from frontend.tool_parsers import TOOL_PARSER_NAMES
 except BaseException as exc:
     if _sigint_during_imports or _interrupted(exc):
         sys.exit(130)
@@ -117,6 +119,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--structured-outputs-backend", choices=STRUCTURED_OUTPUTS_BACKENDS, default="auto",
                    help="auto = llguidance for JSON schemas and JSON objects, xgrammar for regex, choice and EBNF; "
                         "xgrammar = xgrammar for all")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split chat outputs into reasoning (<think>...</think>, the API's reasoning_content) and "
+                        "answer; a structured-output constraint then applies to the answer (vLLM's names)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
@@ -160,6 +165,11 @@ def build_parser() -> ArgumentParser:
                         "else no key)")
     v.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server processes sharing --http-port (more only if one cannot keep up)")
+    v.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
+                   help="with --http-port: how tool_choice 'auto' reads tool calls out of an output: hermes "
+                        "(<tool_call>{...}</tool_call>: Qwen3, Hermes) or llama3_json (Llama 3.1+)")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="with --tool-call-parser: allow tool_choice 'auto' (the default when a request has tools)")
     v.add_argument("--timeout-keep-alive", type=int, default=None, metavar="SECONDS",
                    help=f"seconds an idle HTTP keep-alive connection stays open (default {TIMEOUT_KEEP_ALIVE_S}: "
                         "longer than the pool expiry of common clients, 5 s for httpx and openai, so that none reuses "
@@ -240,6 +250,11 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
         error = timeout_header_error(args.timeout_header)
         if error is not None:
             parser.error(f"--timeout-header {error}")
+    if args.tool_call_parser is not None and args.http_port is None:
+        parser.error("--tool-call-parser needs --http-port: it reads tool calls for the HTTP server")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser NAME: tool_choice 'auto' reads the calls "
+                     f"the model writes with it ({', '.join(TOOL_PARSER_NAMES)})")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key must not be empty")
     if args.client_key is not None and args.http_port is not None:
@@ -343,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             timeouts = {name: value for name, value in (("timeout_keep_alive_s", args.timeout_keep_alive),
                                                         ("timeout_header_s", args.timeout_header)) if value is not None}
             http = HTTPOptions(args.host, args.http_port, held["--http-port"], args.api_key, args.api_server_count,
-                               **timeouts)
+                               **timeouts, tool_call_parser=args.tool_call_parser,
+                               enable_auto_tool_choice=args.enable_auto_tool_choice)
     try:
         engine = EngineProcesses(config, client_address=client_address, transport=args.transport, host=args.host,
                                  local_ranks=local_ranks, on_external_worker=_print_worker_command,

@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # auto: llguidance for JSON, xgrammar for the rest
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8 e4m3fn)
 DEVICES = ("auto", "cpu", "cuda")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; the parsers are frontend/reasoning_parsers.py's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Steps a profiling run traces by itself when `profile_steps` is not given: bounded, since a trace grows with
 # every step it holds (a worker's torch trace keeps each op and kernel of the window in memory until it stops).
@@ -68,6 +69,8 @@ class EngineConfig:
     log_level: str = "WARNING"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # client messages larger than this are refused unread
     max_waiting_requests: int | None = None  # None: unlimited; beyond it a request is refused ("overloaded")
+    # Chat outputs split into reasoning and answer (frontend/reasoning_parsers.py); a grammar starts after it
+    reasoning_parser: str | None = None
     # Filled by `resolve()` from the checkpoint's config.json; not user settings.
     architecture: str = ""
     vocab_size: int = 0
@@ -133,6 +136,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ConfigError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
                               f"got {self.structured_outputs_backend!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":

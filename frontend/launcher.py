@@ -58,7 +58,8 @@ def timeout_header_error(seconds: float) -> str | None:
 @dataclass(frozen=True)
 class HTTPOptions:
     """The OpenAI-compatible HTTP server: `count` processes serving `host`:`port` through `listener` (a
-    socket already listening there, `ipc.hold_port`), requiring `api_key` on /v1 routes when set."""
+    socket already listening there, `ipc.hold_port`), requiring `api_key` on /v1 routes when set; tool calls
+    read by `tool_call_parser` when tool_choice is "auto", which `enable_auto_tool_choice` allows."""
 
     host: str
     port: int
@@ -67,6 +68,8 @@ class HTTPOptions:
     count: int = 1
     timeout_keep_alive_s: int = TIMEOUT_KEEP_ALIVE_S
     timeout_header_s: float = TIMEOUT_HEADER_S
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls (frontend/tool_parsers/)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" is allowed (needs tool_call_parser)
 
 
 def raise_open_file_limit() -> int:
@@ -206,10 +209,12 @@ class EngineProcesses:
                 key = {"DELTASERVE_API_KEY": self.http.api_key} if self.http.api_key else {}
                 for i in range(self.http.count):
                     curve = ("--client-curve",) if self.client_keys(f"http-{i}") is not None else ()
+                    tools = (("--tool-call-parser", self.http.tool_call_parser) if self.http.tool_call_parser
+                             else ()) + (("--enable-auto-tool-choice",) if self.http.enable_auto_tool_choice else ())
                     self._spawn(f"http-{i}", "frontend.openai", "--index", str(i), "--http-host", self.http.host,
                                 "--http-port", str(self.http.port), "--http-fd", str(fd),
                                 "--timeout-keep-alive", str(self.http.timeout_keep_alive_s),
-                                "--timeout-header", repr(self.http.timeout_header_s), *curve, pass_fds=(fd,),
+                                "--timeout-header", repr(self.http.timeout_header_s), *curve, *tools, pass_fds=(fd,),
                                 env_extra=key)
                 self._release_http_listener()
             # Each port is held by the process that binds it now: its exit must free it.

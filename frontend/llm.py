@@ -12,20 +12,25 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import numbers
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.protocol import GenerateRequest, ProfileStatus, RequestOutput
 from common.sampling_params import SamplingParams
+from frontend.chat_output import read_chat_output
 from frontend.client import EngineClient, output_dict, set_prompt
 from frontend.launcher import EngineProcesses
+from frontend.reasoning_parsers import get_reasoning_parser
+from frontend.tool_parsers import TOOL_PARSER_NAMES
+from frontend.tools import resolve_tool_choice, tool_constraint
 
 log = logging.getLogger("deltaserve")
 
@@ -35,13 +40,18 @@ class LLM:
 
     `model`: a local Hugging Face folder. Keyword arguments are `EngineConfig` fields with vLLM's
     names (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kvcache_blocks,
-    gpu_memory_utilization, enforce_eager, dtype, device, seed, tensor_parallel_size, ...).
+    gpu_memory_utilization, enforce_eager, dtype, device, seed, tensor_parallel_size,
+    reasoning_parser, ...), and `tool_call_parser` (vLLM's `--tool-call-parser`: "hermes" or
+    "llama3_json"), which `chat(..., tools=...)` reads calls with when tool_choice is "auto".
     Raises `ConfigError` for bad settings and `EngineStartError` if a process fails to start.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, tool_call_parser: str | None = None, **kwargs: Any) -> None:
         if "tp" in kwargs:
             kwargs["tensor_parallel_size"] = kwargs.pop("tp")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ConfigError(f"tool_call_parser must be one of {TOOL_PARSER_NAMES}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         self.engine = EngineProcesses(EngineConfig(model=model, **kwargs))
         self.config = self.engine.config
         self.info = self.engine.start()
@@ -116,19 +126,46 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate a reply to each conversation, rendered by the model's chat template in the engine's
-        frontend (vLLM's `LLM.chat`); returns one dict per conversation, in order, as `generate` does.
+        frontend (vLLM's `LLM.chat`); returns one dict per conversation, in order, as `generate` does, with
+        the reply also read as an assistant message (below).
 
-        `messages`: one conversation (a list of {"role": str, "content": str} dicts) or a list of them.
+        `messages`: one conversation (a list of {"role": str, "content": str} dicts, and OpenAI's assistant
+        messages with `tool_calls` and `role: "tool"` messages with `tool_call_id`) or a list of them.
         `add_generation_prompt`: end with the opening of the assistant's turn (the default), so the model
         answers; `continue_final_message`: leave the last message (an assistant's) open for the model to
         continue instead; `chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False}
-        for Qwen3. A conversation the template refuses fails alone, with `error` saying why. Raises
-        `TypeError` for a conversation that is not a list of dicts, `ValueError` when both
-        `add_generation_prompt` and `continue_final_message` are set, and `EngineDeadError` as `generate`.
+        for Qwen3. A conversation the template refuses fails alone, with `error` saying why.
+
+        `tools` (OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`) are
+        rendered by the chat template; `tool_choice` and `parallel_tool_calls` mean what they mean in the
+        HTTP API (`frontend/tools.py`): "auto" (the default with tools when `tool_call_parser` is set, else
+        "none") reads the calls the model writes with that parser, "required" and {"type": "function",
+        "function": {"name": ...}} force calls with a grammar (not beside a `structured_outputs`).
+
+        Each result (for sample 0) and each entry of its `outputs` gains the reply read as OpenAI's assistant
+        message: `content` (the text that is neither reasoning nor a call; None when they took all of it),
+        `reasoning_content` (with `reasoning_parser`: the text inside <think>...</think>, else None) and
+        `tool_calls` (a list, empty without calls, of {"id", "type": "function", "function": {"name",
+        "arguments": JSON text}}). `text` stays the whole output. Raises `TypeError` for a conversation that
+        is not a list of dicts, `ValueError` when both `add_generation_prompt` and `continue_final_message`
+        are set or for tools and a tool_choice that cannot run (the message names which), and
+        `EngineDeadError` as `generate`.
         """
         self.engine.check()
+        if tool_choice is None and tools:
+            tool_choice = "auto" if self.tool_call_parser is not None else "none"  # vLLM renders tools alone
+        choice = resolve_tool_choice(list(tools) if tools else None, tool_choice, parallel_tool_calls,
+                                     self.tool_call_parser, True, "LLM(..., tool_call_parser='hermes' or "
+                                                                  "'llama3_json')")
+        tool_list = [dict(t) for t in tools] if tools else None
+        constraint = tool_constraint(tool_list, choice) if choice is not None and tool_list else None
+        if constraint is not None:
+            sampling_params = self._with_constraint(sampling_params, constraint, tool_choice)
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                              "a new assistant turn, the second continues the last message (pass "
@@ -145,13 +182,42 @@ class LLM:
             requests.append(GenerateRequest(self.client.new_request_id(), messages=[dict(m) for m in conversation],
                                             add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message,
-                                            chat_template_kwargs=dict(chat_template_kwargs or {})))
-        return self._run(requests, sampling_params, use_tqdm)
+                                            chat_template_kwargs=dict(chat_template_kwargs or {}), tools=tool_list))
+        reasoning = get_reasoning_parser(self.config.reasoning_parser) if self.config.reasoning_parser else None
+
+        def chat_result(i: int, out: RequestOutput) -> dict[str, Any]:
+            result = self._result(i, out)
+            for sample in result["outputs"]:
+                message = read_chat_output(sample["text"], reasoning, out.prompt_reasoning, choice)
+                read = {"content": message.content, "reasoning_content": message.reasoning_content,
+                        "tool_calls": [c.to_openai() for c in message.tool_calls]}
+                sample.update(read)
+                if sample["index"] == out.index:  # the sample the top-level fields describe
+                    result.update(read)
+            return result
+
+        return self._run(requests, sampling_params, use_tqdm, chat_result)
+
+    @staticmethod
+    def _with_constraint(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                         constraint: dict[str, Any], tool_choice: Any) -> SamplingParams | list[SamplingParams]:
+        """The sampling parameters with the grammar of a forced tool call; raises `ValueError` for parameters
+        that have a structured-output constraint of their own."""
+        given = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(given) if isinstance(given, Sequence) else [given]
+        if any(isinstance(sp, SamplingParams) and sp.structured_outputs is not None for sp in params):
+            raise ValueError(f"structured_outputs: not with tool_choice {tool_choice!r}, which constrains the output "
+                             "to the calls' JSON itself: one constraint per request")
+        forced = [dataclasses.replace(sp, structured_outputs=dict(constraint)) if isinstance(sp, SamplingParams)
+                  else sp for sp in params]
+        return forced if isinstance(given, Sequence) else forced[0]
 
     def _run(self, requests: list[GenerateRequest], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[dict[str, Any]]:
+             use_tqdm: bool, result: Callable[[int, RequestOutput], dict[str, Any]] | None = None,
+             ) -> list[dict[str, Any]]:
         """Submit `requests` (prompts set, one `SamplingParams` for all or one each), wait until every one
-        finishes, and return their `_result` dicts in order."""
+        finishes, and return their `result` dicts in order (default: `_result`)."""
+        result = result or self._result
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(requests)
@@ -167,8 +233,8 @@ class LLM:
             try:
                 sp.validate()  # again: fields may have been changed since construction
             except ValueError as exc:
-                results[i] = self._result(i, RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                                           error=str(exc)))
+                results[i] = result(i, RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                                     error=str(exc)))
                 continue
             req.sampling = sp.to_dict()
             valid.append(req)
@@ -186,7 +252,7 @@ class LLM:
                         i = index.get(out.request_id)
                         if i is None or not out.finished:
                             continue
-                        results[i] = self._result(i, out)
+                        results[i] = result(i, out)
                         done += 1
                         num_input_tokens += out.num_prompt_tokens
                         num_output_tokens += len(out.token_ids)

@@ -480,7 +480,8 @@ class FrontendProcess:
         out = RequestOutput(st.request_id, first.text, first.token_ids, finished, first.finish_reason,
                             st.error if finished else None, st.num_prompt_tokens, st.num_cached_tokens, {},
                             first.stop_reason, first.logprobs, first.cumulative_logprob, prompt_logprobs, first.index,
-                            outs[1:], structured_output_incomplete=first.structured_output_incomplete)
+                            outs[1:], structured_output_incomplete=first.structured_output_incomplete,
+                            prompt_reasoning=st.prompt_reasoning)
         if finished:
             out.metrics = {"ttft_s": (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0,
                            "e2e_s": now - st.arrival_time, "num_preemptions": st.num_preemptions}

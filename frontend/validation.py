@@ -7,6 +7,7 @@ client gets as an error output while the other requests of the same submission g
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,10 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from frontend.outputs import SampleState
+from frontend.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from frontend.tools import ToolRequestError, tool_names
+
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens decoded to see where it leaves the reasoning (prompt_reasoning)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -51,27 +56,88 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max(1, max(len(t) for t in tokenizer.get_vocab()))
 
 
+def renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
+    """Whether the chat template the tokenizer would apply with `tools` shows them to the model: its text names
+    `tools` (a template that never does renders the same prompt with or without them)."""
+    try:
+        template = tokenizer.get_chat_template(tools=tools)
+    except Exception:  # no template at all: apply_chat_template says so
+        return False
+    return "tools" in template
+
+
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them (copies): an assistant message with `tool_calls` may have no
+    content (it becomes ""), and its calls' `arguments`, JSON text on the wire (OpenAI's), become the objects
+    templates expect (Qwen3's takes either, Llama 3.1's only objects: vLLM's conversion). Raises `ValueError` for
+    a message without a role and text content, or arguments that are not a JSON object."""
+    if not messages or not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls and m.get("content") is None:
+            m["content"] = ""
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} (an assistant "
+                             "message with tool_calls may have no content)")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise ValueError(f"messages[{i}].tool_calls must be a list of calls, got {str(calls)[:80]}")
+            m["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                         f"'arguments': ...}}}}, got {str(call)[:80]}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"{where}.function.arguments is not JSON text ({exc}): {arguments[:80]!r}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object, got {str(arguments)[:80]}")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = None) -> list[int]:
     """Token ids of a request: `tokenizer(prompt)`, the chat template over `messages` (with the request's
-    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`), or given ids.
+    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools`), or given ids.
     `req.add_special_tokens` (None: True for a prompt, False for messages, whose template writes its own).
 
     Raises `ValueError` if not exactly one of the three is set, one is malformed, the chat template
-    refuses the messages (or its options contradict each other), or a text is longer than `max_chars`
-    characters (checked before tokenizing).
+    refuses the messages (or its options contradict each other) or renders no tools when there are some
+    (the message then starts with "tools"), or a text is longer than `max_chars` characters (checked
+    before tokenizing).
     """
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise ValueError(f"a request needs exactly one of prompt, prompt_token_ids, messages; got {given or 'none'}")
+    if req.tools and req.messages is None:
+        raise ValueError("tools: only a chat request (messages) can carry tools")
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     if req.prompt is not None:
         text, special = req.prompt, req.add_special_tokens is not False
     else:
-        messages = req.messages
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        messages = template_messages(req.messages)
+        tools: dict[str, Any] = {}
+        if req.tools:
+            try:
+                tool_names(req.tools)
+            except ToolRequestError as exc:
+                raise ValueError(str(exc)) from None
+            if not renders_tools(tokenizer, req.tools):
+                raise ValueError("tools: the chat template of this model does not render tools (its text never "
+                                 "names `tools`), so the model would not see them; serve a model whose template "
+                                 "supports tool calling (Qwen3, Llama 3.1 and later, ...)")
+            tools["tools"] = req.tools
         if req.add_generation_prompt and req.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first "
                              "opens a new assistant turn, the second continues the last message")
@@ -82,7 +148,7 @@ def encode_prompt(tokenizer: Any, req: GenerateRequest, max_chars: int | None = 
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                  continue_final_message=req.continue_final_message, tokenize=False,
-                                                 **req.chat_template_kwargs)
+                                                 **tools, **req.chat_template_kwargs)
         except Exception as exc:  # jinja TemplateError (raise_exception), TypeError, UndefinedError, ...
             why = f"the chat template refused these messages: {type(exc).__name__}: {exc}"
             raise ValueError(shorten(why)) from None
@@ -152,6 +218,7 @@ class RequestState:
     queue_s: float | None = None  # sample 0's time from arrival to its first scheduling, once it finished
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # position 0 is None
     prompt_logprobs_sent: bool = False
+    prompt_reasoning: bool | None = None  # RequestOutput.prompt_reasoning
 
 
 class RequestValidator:
@@ -171,6 +238,22 @@ class RequestValidator:
         assert config.max_model_len is not None
         self.max_prompt_chars = config.max_model_len * longest_token_chars(tokenizer)
         self.next_seq_id = 0  # of sample 0 of the next accepted request
+        self.reasoning: ReasoningParser | None = None
+        self.reasoning_token_ids = (-1, -1)  # the reasoning parser's start and end tags, one token each
+        if config.reasoning_parser is not None:
+            self.reasoning = get_reasoning_parser(config.reasoning_parser)
+            self.reasoning_token_ids = (self._tag_token_id(self.reasoning.start),
+                                        self._tag_token_id(self.reasoning.end))
+
+    def _tag_token_id(self, tag: str) -> int:
+        """The one token `tag` is; raises `ExplainedError` when the tokenizer splits it (the workers could not see
+        where the reasoning ends)."""
+        ids = self.tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1 or not 0 <= ids[0] < self.config.vocab_size:
+            raise ExplainedError(f"reasoning_parser {self.config.reasoning_parser!r} (--reasoning-parser) needs "
+                                 f"{tag} to be one token of the tokenizer, but it encodes as {ids}: this model does "
+                                 "not write reasoning in that form")
+        return int(ids[0])
 
     def validate(self, client: bytes, req: GenerateRequest) -> tuple[EngineRequest, RequestState]:
         """Tokenize and check one request against the engine's limits. Raises `ValueError`."""
@@ -204,18 +287,35 @@ class RequestValidator:
         now = time.time()
         temperature = 0.0 if params.greedy else float(params.temperature)
         grammar = params.structured_outputs.grammar_spec() if params.structured_outputs is not None else None
+        prompt_reasoning = None
+        if self.reasoning is not None and req.messages is not None:
+            prompt_reasoning = self.reasoning.prompt_reasoning(self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
         engine_req = EngineRequest(seq_id, i32(arr), temperature, params.max_tokens, params.seed, sorted(stop_ids),
-                                   now, self._options(params, stop_ids), params.n, grammar)
+                                   now, self._options(params, stop_ids, req.messages is not None, prompt_reasoning),
+                                   params.n, grammar)
         samples = [SampleState(i, self.tokenizer, ids, params) for i in range(params.n)]
         state = RequestState(client, req.request_id, seq_id, params, len(ids), samples, now, ids, stream=req.stream,
                              num_unfinished=params.n,
-                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                             prompt_reasoning=prompt_reasoning)
         return engine_req, state
 
-    def _options(self, params: SamplingParams, stop_ids: set[int]) -> SamplingOptions | None:
+    def _options(self, params: SamplingParams, stop_ids: set[int], chat: bool = False,
+                 prompt_reasoning: bool | None = None) -> SamplingOptions | None:
         """What the workers must apply, or None for a request that uses only temperature. Greedy requests
         drop top_k, top_p and min_p (an argmax stays the argmax); ids past the vocabulary cannot be
-        sampled, so they are not masked."""
+        sampled, so they are not masked.
+
+        A chat request's grammar waits for the end of the reasoning when the engine has a reasoning parser (vLLM's
+        default), unless its prompt closed the reasoning already (`prompt_reasoning` False); when the prompt did
+        not open it either (None), a parser whose outputs open it themselves (qwen3) lets the first token be the
+        start tag, else the grammar holds from that first token."""
+        reasoning_start = reasoning_end = -1
+        gated = chat and params.structured_outputs is not None and prompt_reasoning is not False
+        if self.reasoning is not None and gated:
+            start_id, reasoning_end = self.reasoning_token_ids
+            if prompt_reasoning is None and not self.reasoning.starts_inside:
+                reasoning_start = start_id
         vocab = self.config.vocab_size
         greedy = params.greedy
         options = SamplingOptions(
@@ -231,6 +331,8 @@ class RequestValidator:
             stop_token_ids=sorted(t for t in stop_ids if t < vocab) if params.min_tokens else [],
             logprobs=-1 if params.logprobs is None else params.logprobs,
             prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+            reasoning_end_token_id=reasoning_end,
+            reasoning_start_token_id=reasoning_start,
         )
         return None if options == SamplingOptions() else options
 

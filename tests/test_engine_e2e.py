@@ -108,8 +108,9 @@ def test_invalid_sampling_parameters_are_refused(llm: LLM) -> None:
 
 
 def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
-    """A token id past 64 bits, messages the chat template raises on, and a text longer than
-    max_model_len tokens could ever hold (refused before tokenizing): errors for those requests only."""
+    """A token id past 64 bits, an assistant message whose tool_calls are not a list (the chat template raised on
+    it; now refused naming the field), and a text longer than max_model_len tokens could ever hold (refused before
+    tokenizing): errors for those requests only."""
     outs = submit_and_wait(llm, [GenerateRequest("a", prompt_token_ids=[5, 2**63]),
                                  GenerateRequest("b", messages=[{"role": "user", "content": "hi"},
                                                                 {"role": "assistant", "content": "x",
@@ -117,7 +118,7 @@ def test_inputs_that_used_to_crash_the_frontend_fail_alone(llm: LLM) -> None:
                                  GenerateRequest("c", prompt="hello " * 20_000),
                                  GenerateRequest("d", prompt="hi", sampling={"max_tokens": 2, "temperature": 0.0})])
     assert outs["a"].error == f"prompt token ids must be in [0, 151669); got min 5, max {2**63}"
-    assert "chat template" in outs["b"].error
+    assert outs["b"].error == "messages[1].tool_calls must be a list of calls, got 5"
     assert "characters" in outs["c"].error
     assert outs["d"].error is None and len(outs["d"].token_ids) == 2
     assert llm.generate(["still serving"], GREEDY8, use_tqdm=False)[0]["finish_reason"] == "length"

@@ -116,6 +116,12 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused_before_the_engine_starts(
     (["--serve", "--http-port", "8123", "--timeout-header", "inf"],
      "--timeout-header must be a number of seconds in (0, 3600], got inf"),
     (["--serve", "--timeout-header", "5"], "--timeout-header needs --http-port"),
+    (["--serve", "--tool-call-parser", "hermes"], "--tool-call-parser needs --http-port"),
+    (["--serve", "--http-port", "8123", "--enable-auto-tool-choice"],
+     "--enable-auto-tool-choice needs --tool-call-parser NAME"),
+    (["--serve", "--http-port", "8123", "--tool-call-parser", "mistral"],
+     "argument --tool-call-parser: invalid choice: 'mistral'"),
+    (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice: 'granite'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_a_bad_option_is_one_line_naming_the_option_and_pointing_to_help(

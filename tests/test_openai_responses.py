@@ -1,5 +1,6 @@
 """OpenAI response bodies and stream chunks built from engine outputs: choice numbering for n > 1, logprobs in
-OpenAI's shapes, vLLM's stop_reason and prompt_logprobs, usage over every choice."""
+OpenAI's shapes, vLLM's stop_reason and prompt_logprobs, usage over every choice; chat messages and deltas with
+reasoning and tool calls."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 
 from common.protocol import PositionLogprobs, RequestOutput, SampleOutput, TopLogprob
+from frontend.chat_output import ChatOutputReader
 from frontend.openai.responses import (
     ChatChunks,
     Choices,
@@ -17,6 +19,8 @@ from frontend.openai.responses import (
     completion_response,
     prompt_logprobs,
 )
+from frontend.reasoning_parsers import get_reasoning_parser
+from frontend.tools import ToolChoice
 
 EOS = 99
 HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m"}
@@ -143,3 +147,82 @@ def test_a_chat_stream_opens_with_a_role_chunk_per_choice_and_continuous_usage_c
     assert [e["choices"][0]["index"] for e in got] == [0, 1, 2, 2]
     assert got[0]["usage"]["prompt_tokens"] == 7 and got[0]["usage"]["completion_tokens"] == 0
     assert got[-1]["usage"]["completion_tokens"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- reasoning and tools
+def qwen3_reader(tools: ToolChoice | None = None):
+    return lambda prompt_reasoning: ChatOutputReader(get_reasoning_parser("qwen3"), prompt_reasoning, tools)
+
+
+THINK_AND_CALL = ["<think>\nWeather", " needs a tool.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", ",
+                  "\"arguments\": {\"city\": \"Par", "is\"}}\n</tool_call>"]
+
+
+def test_a_chat_response_splits_the_reasoning_and_reads_the_calls_with_the_parsers() -> None:
+    head = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m"}
+    out = output("a", [SampleOutput(0, "".join(THINK_AND_CALL), [1, 2, 3], "stop", EOS),
+                       SampleOutput(1, "<think>Short.</think>Paris.", [4], "length")], finished=True)
+
+    body = chat_response(head, out, Choices(1, 2, EOS), qwen3_reader(ToolChoice("auto", parser="hermes")))
+
+    first, second = body["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    assert first["message"]["reasoning_content"] == "Weather needs a tool."
+    (call,) = first["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert second["message"] == {"role": "assistant", "content": "Paris.", "refusal": None,
+                                 "reasoning_content": "Short."}
+    assert second["finish_reason"] == "length"
+
+
+def test_a_chat_stream_sends_reasoning_deltas_then_the_call_name_then_its_arguments() -> None:
+    writer = ChatChunks({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"},
+                        Choices(1, 1, EOS), include_usage=False, continuous=False,
+                        reader=qwen3_reader(ToolChoice("auto", parser="hermes")))
+    outs = [output("a", [SampleOutput(0, text, [i])]) for i, text in enumerate(THINK_AND_CALL[:-1])]
+    outs.append(output("a", [SampleOutput(0, THINK_AND_CALL[-1], [9], "stop", EOS)], finished=True))
+
+    got = events(writer.opening(outs[:1]) + [e for out in outs for e in writer.news(0, out)])
+
+    deltas = [e["choices"][0]["delta"] for e in got]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Weather needs a tool."
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""}}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert all(set(c) == {"index", "function"} for c in calls[1:])
+    assert not any("content" in d for d in deltas[1:])
+    assert got[-1]["choices"][0]["finish_reason"] == "tool_calls" and deltas[-1] == {}
+
+
+def test_without_a_reasoning_parser_or_tools_a_chat_answer_is_all_content() -> None:
+    head = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m"}
+    out = output("a", [SampleOutput(0, "".join(THINK_AND_CALL), [1], "stop", EOS)], finished=True)
+
+    (choice,) = chat_response(head, out, Choices(1, 1, EOS))["choices"]
+
+    assert choice["message"] == {"role": "assistant", "content": "".join(THINK_AND_CALL), "refusal": None}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_the_prompt_that_closed_the_reasoning_leaves_the_whole_output_to_the_content() -> None:
+    head = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m"}
+    out = output("a", [SampleOutput(0, "Paris. <think> is text here.", [1], "stop", EOS)], finished=True,
+                 prompt_reasoning=False)  # Qwen3's template with enable_thinking=False
+
+    (choice,) = chat_response(head, out, Choices(1, 1, EOS), qwen3_reader())["choices"]
+
+    assert choice["message"]["content"] == "Paris. <think> is text here." and "reasoning_content" not in \
+        choice["message"]
+
+
+def test_an_engine_refusal_that_names_tools_is_a_400_on_the_tools_field() -> None:
+    from common.protocol import ERROR_INVALID_REQUEST
+    from frontend.openai.serving import engine_error
+
+    why = "tools: the chat template of this model does not render tools (its text never names `tools`), ..."
+    error = engine_error(RequestOutput("a", finished=True, error=why, error_type=ERROR_INVALID_REQUEST), "messages")
+
+    assert (error.status, error.param, error.message) == (400, "tools", why)

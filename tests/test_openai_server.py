@@ -616,12 +616,16 @@ def test_bad_completion_fields_are_a_400_naming_the_field(server: HTTPServer, bo
 BAD_CHATS = [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": "hello"}, "messages", "valid list"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "'system', 'developer', 'user' or 'assistant'"),
-    ({"messages": [{"role": "user"}]}, "messages", "Field required"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages",
+     "'system', 'developer', 'user', 'assistant' or 'tool'"),
+    ({"messages": [{"role": "user"}]}, "messages", "content is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages",
      "none of the accepted types"),
     ({"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens", "greater than or equal to 1"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    # vLLM's rule: tool_choice "auto" (the default with tools) needs the server's flags, which this one lacks
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     '"auto" (the default when tools are given) needs a server started with --enable-auto-tool-choice and '
+     "--tool-call-parser NAME"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
     ({"messages": CHAT, "logprobs": "maybe"}, "logprobs", "valid boolean"),

@@ -174,6 +174,28 @@ def test_each_of_n_samples_follows_the_schema_with_its_own_matcher(llm: LLM) -> 
     assert len({tuple(s["token_ids"]) for s in out["outputs"]}) > 1  # distinct samples, each valid
 
 
+# ============================================================================ forced tool calls
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer",
+                                                                                        "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_is_valid_on_a_random_model_through_the_offline_api(llm: LLM, tool_choice: object) -> None:
+    """LLM.chat(tools=..., tool_choice=...) needs no tool-call parser for a forced call: the grammar writes it."""
+    outs = llm.chat([{"role": "user", "content": "Weather in Oslo?"}],
+                    SamplingParams(temperature=1.0, seed=3, max_tokens=120, n=2),
+                    use_tqdm=False, tools=[CITY_TOOL], tool_choice=tool_choice, parallel_tool_calls=False)
+
+    for sample in outs[0]["outputs"]:
+        assert sample["finish_reason"] == "stop", sample["text"]
+        (call,) = sample["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and sample["content"] is None
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CITY_TOOL["function"]["parameters"])
+    assert outs[0]["tool_calls"] == outs[0]["outputs"][0]["tool_calls"]
+
+
 # ============================================================================ the two libraries
 def test_the_xgrammar_backend_gives_valid_json_for_the_twenty_schemas(tiny_qwen3: Path, engine_factory) -> None:
     engine = engine_factory(tiny_qwen3, device="cpu", block_size=16, max_model_len=512, num_kvcache_blocks=400,
@@ -234,6 +256,45 @@ def test_every_end_token_is_allowed_where_a_json_grammar_may_end_and_only_they_o
     assert {151645, 151643} <= allowed(mask, 0) and one[0] in allowed(mask, 0)  # "12" or the end
     assert flag.complete() and allowed(mask, 1) == {151643, 151645}
     assert m.accept([flag], [151645]) == {} and allowed(m.fill_bitmask([flag]), 0) == {151643, 151645}
+
+
+THINK_START, THINK_END = 151667, 151668  # Qwen3's <think> and </think>
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])  # an llguidance matcher and an xgrammar one
+def test_a_grammar_waits_for_the_end_of_the_reasoning_then_constrains_the_answer(manager, kind: str) -> None:
+    m, _ = manager
+    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_dir)
+    spec = GrammarSpec("json", '{"type": "integer"}') if kind == "json" else GrammarSpec("regex", "[0-9]+")
+    (plain,) = compiled(manager, [spec])
+    gid = plain.grammar_id
+    words = tokenizer.encode("Let me think: letters.", add_special_tokens=False)
+    one = tokenizer.encode("1", add_special_tokens=False)[0]
+    inside = m.new_grammar(gid, reasoning_end=THINK_END)  # the prompt opened the reasoning (or deepseek_r1)
+
+    assert len(allowed(m.fill_bitmask([inside]), 0)) >= 151643  # every token while it thinks
+    assert all(m.accept([inside], [t]) == {} for t in words)  # letters: outside the grammar, yet not refused
+    assert m.accept([inside], [THINK_END]) == {} and not inside.thinking
+    answer = allowed(m.fill_bitmask([inside]), 0)
+    assert one in answer and words[0] not in answer and THINK_START not in answer
+    assert m.accept([inside], [one]) == {}
+
+
+def test_a_qwen3_output_may_open_its_reasoning_with_the_first_token_only(manager) -> None:
+    m, _ = manager
+    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_dir)
+    (plain,) = compiled(manager, [GrammarSpec("json", '{"type": "integer"}')])
+    one = tokenizer.encode("1", add_special_tokens=False)[0]
+    thinks = m.new_grammar(plain.grammar_id, reasoning_end=THINK_END, reasoning_start=THINK_START)
+    answers = m.new_grammar(plain.grammar_id, reasoning_end=THINK_END, reasoning_start=THINK_START)
+
+    first = m.fill_bitmask([thinks, answers])
+    assert allowed(first, 0) == allowed(first, 1) == allowed(m.fill_bitmask([plain]), 0) | {THINK_START}
+    assert m.accept([thinks, answers], [THINK_START, one]) == {}
+    assert thinks.thinking and not answers.thinking and not answers.may_open
+    second = m.fill_bitmask([thinks, answers])
+    assert len(allowed(second, 0)) >= 151643 and THINK_START not in allowed(second, 1)
+    assert m.accept([answers], [THINK_START]) != {}  # once the answer began, the tag is outside the grammar
 
 
 @pytest.mark.parametrize("backend", ["auto", "xgrammar"])

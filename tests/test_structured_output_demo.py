@@ -41,3 +41,14 @@ def test_a_chat_reply_constrained_to_a_choice_is_one_of_them(demo: LLM) -> None:
                     SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"choice": ["Paris", "Lyon"]}),
                     use_tqdm=False)[0]
     assert out["text"] in ("Paris", "Lyon") and out["finish_reason"] == "stop"
+
+
+def test_tools_are_refused_by_name_since_the_demo_models_template_renders_none(demo: LLM) -> None:
+    """SmolLM2's chat template never names `tools`: the model could not see them, so a forced call would be
+    blind; the request fails alone, naming tools."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    (out,) = demo.chat([{"role": "user", "content": "Weather in Paris?"}], SamplingParams(max_tokens=8),
+                       use_tqdm=False, tools=[tool], tool_choice="required")
+
+    assert out["finish_reason"] == "error" and out["error"].startswith("tools: the chat template of this model does "
+                                                                      "not render tools")

@@ -64,9 +64,10 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
-                 vocab_size: int = 0, new_grammar: Callable[[int], RequestGrammar] | None = None) -> None:
+                 vocab_size: int = 0, new_grammar: Callable[[int, int, int], RequestGrammar] | None = None) -> None:
         self.block_size = block_size
-        self.new_grammar = new_grammar  # grammar id -> a matcher at its start (structured outputs)
+        # (grammar id, reasoning end and start token ids) -> a matcher at its start (structured outputs)
+        self.new_grammar = new_grammar
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size  # of the model: top_k >= it is off
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
@@ -172,7 +173,8 @@ class InputBatch:
         if gid >= 0:
             if self.new_grammar is None:
                 raise RuntimeError(f"request {st.seq_id} has a grammar but this batch has no structured outputs")
-            st.grammar = self.new_grammar(gid)
+            assert st.options is not None
+            st.grammar = self.new_grammar(gid, st.options.reasoning_end_token_id, st.options.reasoning_start_token_id)
 
     # ------------------------------------------------------------------ step inputs
     def prepare(self, scheduled: list[tuple[ReqState, int]]) -> StepInputs:

@@ -64,6 +64,15 @@ Tensor parallelism: every rank compiles every grammar and keeps its own matchers
 no collective; the alternative, rank 0 broadcasting its bitmask, would add a collective per step and
 make the other ranks wait for rank 0's CPU.
 
+Reasoning (vLLM's default with a reasoning parser): a chat request's grammar may apply only to the answer after
+the model's reasoning. The frontend, which knows the prompt and the parser, sets `SamplingOptions`'
+`reasoning_end_token_id` (`</think>`) and, for a model that decides whether it thinks (Qwen3),
+`reasoning_start_token_id` (`<think>`). The request's matcher then sits out: while the output is in the
+reasoning its rows allow every token and its tokens do not reach the library; the token after the end tag is
+the grammar's first. With a start token, the grammar holds from the first output token, whose mask also allows
+the start tag: sampling it opens the reasoning, any other token begins the answer. No library keeps such a
+switch, so `RequestGrammar` keeps it beside the library's matcher.
+
 After the grammar is complete, only the model's end tokens are allowed; a request that goes on anyway
 (`ignore_eos`) keeps drawing end tokens. A request stopped by max_tokens is checked once, after its last token
 (`RequestGrammar.accepting`): the scheduler names it in the plan of that step, and rank 0 reports whether its
@@ -122,15 +131,37 @@ def library_error(exc: BaseException, limit: int = 600) -> str:
 class RequestGrammar:
     """One constrained request's matcher: where its output stands in its grammar. It advances with every
     token that reaches the host (`StructuredOutputManager.accept`). `guidance`: an llguidance `LLMatcher`,
-    else an xgrammar `GrammarMatcher`."""
+    else an xgrammar `GrammarMatcher`.
 
-    __slots__ = ("matcher", "grammar_id", "guidance", "error")
+    `reasoning_end`, `reasoning_start` (token ids, -1: none): the grammar waits for the end of the reasoning (see
+    the module's docstring): `thinking` while the output is in it, `may_open` before the first token when that
+    token may open it."""
 
-    def __init__(self, matcher: Any, grammar_id: int, guidance: bool = False) -> None:
+    __slots__ = ("matcher", "grammar_id", "guidance", "error", "reasoning_end", "reasoning_start", "thinking",
+                 "may_open")
+
+    def __init__(self, matcher: Any, grammar_id: int, guidance: bool = False, reasoning_end: int = -1,
+                 reasoning_start: int = -1) -> None:
         self.matcher = matcher
         self.grammar_id = grammar_id
         self.guidance = guidance
         self.error: str | None = None  # set once the matcher refused a token: the request fails with it
+        self.reasoning_end = reasoning_end
+        self.reasoning_start = reasoning_start
+        self.may_open = reasoning_end >= 0 and reasoning_start >= 0
+        self.thinking = reasoning_end >= 0 and reasoning_start < 0
+
+    def takes_reasoning_token(self, token: int) -> bool:
+        """Whether `token` belongs to the reasoning (and so not to the grammar): every token inside it, its end
+        tag included, and a start tag that opens it as the first token."""
+        if self.thinking:
+            self.thinking = token != self.reasoning_end
+            return True
+        if self.may_open:
+            self.may_open = False
+            self.thinking = token == self.reasoning_start
+            return self.thinking
+        return False
 
     def complete(self) -> bool:
         """The grammar is complete: only end tokens may follow (xgrammar: one was accepted; llguidance: nothing
@@ -314,24 +345,26 @@ class StructuredOutputManager:
         return self._thread is None or not self._thread.is_alive()
 
     # ------------------------------------------------------------------ matchers (step loop)
-    def new_grammar(self, grammar_id: int) -> RequestGrammar:
+    def new_grammar(self, grammar_id: int, reasoning_end: int = -1, reasoning_start: int = -1) -> RequestGrammar:
         """A matcher at the start of grammar `grammar_id`, which this rank has compiled (the scheduler admits a
-        request only then). Raises `KeyError` for a grammar it has not (a protocol bug)."""
+        request only then), waiting for the end of the reasoning as `reasoning_end` and `reasoning_start` say
+        (`SamplingOptions`' token ids; -1: none). Raises `KeyError` for a grammar it has not (a protocol bug)."""
         compiled = self.compiled.get(grammar_id)
         if compiled is None:
             raise KeyError(f"grammar {grammar_id} is not compiled on rank {self.rank}")
         if hasattr(compiled, "deep_copy"):  # an llguidance matcher: its copy costs microseconds, a new one ms
-            return RequestGrammar(compiled.deep_copy(), grammar_id, guidance=True)
+            return RequestGrammar(compiled.deep_copy(), grammar_id, True, reasoning_end, reasoning_start)
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled), grammar_id)
+        return RequestGrammar(xgr.GrammarMatcher(compiled), grammar_id, False, reasoning_end, reasoning_start)
 
     def accept(self, grammars: list[RequestGrammar], tokens: list[int]) -> dict[int, str]:
         """Advance each matcher by its token (one call into xgrammar for all of its matchers). Returns {index in
         `grammars`: error} for the tokens refused; a matcher already complete ignores its token (the end tokens
         that follow it when the request ignores EOS), and one that refused a token before ignores every later
-        one."""
-        todo = [i for i, g in enumerate(grammars) if g.error is None and not g.complete()]
+        one. A token of the reasoning (`RequestGrammar.takes_reasoning_token`) does not reach the matcher."""
+        todo = [i for i, g in enumerate(grammars)
+                if g.error is None and not g.complete() and not g.takes_reasoning_token(tokens[i])]
         xgr_rows = [i for i in todo if not grammars[i].guidance]
         refused = [i for i in todo if grammars[i].guidance and not grammars[i].matcher.consume_token(tokens[i])]
         if xgr_rows:
@@ -351,8 +384,9 @@ class StructuredOutputManager:
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> torch.Tensor:
         """The next-token bitmask of each of `grammars`: `[G, width]` int32 on the host (pinned on CUDA), in a
         buffer reused by the next call. A complete grammar allows only the end tokens; a matcher that refused
-        a token allows every token (its request is failing). Each library fills its rows with `threads`
-        threads, xgrammar's first."""
+        a token allows every token (its request is failing), and so does one inside the reasoning; before a
+        first token that may open the reasoning, its start tag is allowed beside the grammar's tokens. Each
+        library fills its rows with `threads` threads, xgrammar's first."""
         width = bitmask_width(self.vocab_size)
         n = len(grammars)
         if self._bitmask is None or self._bitmask.shape[0] < n:
@@ -362,7 +396,7 @@ class StructuredOutputManager:
         xgr_rows: list[int] = []
         guidance_rows: list[int] = []
         for i, g in enumerate(grammars):
-            if g.error is not None:
+            if g.error is not None or g.thinking:
                 bitmask[i] = -1
             elif g.complete():
                 bitmask[i] = torch.from_numpy(self._end_tokens_mask())
@@ -382,6 +416,11 @@ class StructuredOutputManager:
             # llguidance writes row i at data_ptr + i * width * 4 (it checks i < n); `bitmask` is contiguous
             self._executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in guidance_rows],
                                                    bitmask.data_ptr(), width * 4, n)
+        opening = [(i, g.reasoning_start) for i, g in enumerate(grammars) if g.may_open and g.error is None]
+        if opening:
+            words = bitmask.numpy().view(np.uint32)
+            for i, token in opening:
+                words[i, token >> 5] |= np.uint32(1 << (token & 31))
         return bitmask
 
     def _end_tokens_mask(self) -> np.ndarray:

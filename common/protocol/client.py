@@ -33,6 +33,9 @@ class GenerateRequest:
     # Refuse the request when prompt + max_tokens exceeds max_model_len, instead of stopping it there with
     # finish reason "length": the OpenAI server's rule for a max_tokens the client gave (vLLM answers 400).
     max_tokens_within_context: bool = False
+    # For `messages` only: the tools the chat template shows the model, in OpenAI's shape ({"type": "function",
+    # "function": {"name", "description", "parameters"}}); refused when the template renders no tools.
+    tools: list[dict[str, Any]] | None = None
 
 
 NOT_RUN = "not run: "  # the error of a valid request of an all-or-nothing submission that another one sank
@@ -154,6 +157,11 @@ class RequestOutput:
     error_type: str | None = None  # with `error`: ERROR_INVALID_REQUEST, ERROR_ENGINE_DOWN or ERROR_OVERLOADED
     # sample `index` finished with "length" before its structured-output constraint was complete
     structured_output_incomplete: bool = False
+    # A chat request when the engine has a reasoning parser: True when its prompt ends inside a reasoning block
+    # (the template opened "<think>": the output starts in it), False when it ends just after one (the template
+    # closed it, as Qwen3's does for enable_thinking=False: the output has none); None otherwise (the parser
+    # reads the output alone). The same in every output of the request.
+    prompt_reasoning: bool | None = None
 
     @property
     def outputs(self) -> list[SampleOutput]:

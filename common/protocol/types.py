@@ -32,6 +32,13 @@ class SamplingOptions:
     # The structured-output grammar (`CompileGrammars`) whose token mask goes first; -1: none. Set by the
     # scheduler, which numbers the grammars (the frontend sends the constraint itself, `EngineRequest.grammar`).
     grammar_id: int = -1
+    # With a grammar and a reasoning parser (chat requests): the grammar applies only after this token ("</think>")
+    # has been sampled; -1: from the first output token.
+    reasoning_end_token_id: int = -1
+    # With `reasoning_end_token_id`: the first output token may also be this one ("<think>"), which opens the
+    # reasoning (Qwen3 decides whether it thinks); any other first token starts the answer under the grammar at
+    # once. -1: the output begins inside the reasoning.
+    reasoning_start_token_id: int = -1
 
 
 @wire_struct

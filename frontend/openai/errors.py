@@ -114,7 +114,8 @@ def validation_message(errors: list[dict[str, Any]], content_type: str = "") -> 
         return f"{field}: {given}is none of the accepted types ({accepted})", field
     if first.get("type") == "extra_forbidden":
         return f"{path}: unknown field (this server refuses fields it does not know)", path
-    return f"{path}: {first.get('msg', 'invalid value')}{_got(first)}", path.split(".")[0].split("[")[0]
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own message
+    return f"{path}: {message}{_got(first)}", path.split(".")[0].split("[")[0]
 
 
 def _is_type_error(error: dict[str, Any]) -> bool:

@@ -6,7 +6,9 @@ choices 0..5, the first three of the first prompt); chat has one prompt, so its 
 
 Streams interleave the choices as OpenAI does: every chunk holds one choice, tagged with its `index`, in
 the order the engine produced the text; each choice ends with its own chunk carrying its `finish_reason`
-(and vLLM's `stop_reason`). Chat streams open with a role chunk per choice.
+(and vLLM's `stop_reason`). Chat streams open with a role chunk per choice. A chat choice's text is read
+into reasoning, content and tool calls (`frontend/chat_output.py`): its message and deltas take their
+shapes, and a choice that made calls and stopped by itself finishes with "tool_calls".
 
 Logprobs take OpenAI's shapes (vLLM's, where OpenAI has none):
 - chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
@@ -24,9 +26,11 @@ JSON has no infinity: a logprob of -inf is written as -9999.0, as OpenAI and vLL
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from common.protocol import PositionLogprobs, RequestOutput, SampleOutput
+from frontend.chat_output import AssistantMessage, ChatOutputReader
 
 LOGPROB_FLOOR = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
@@ -160,15 +164,28 @@ def completion_response(head: dict[str, Any], outs: list[RequestOutput], choices
     return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage()}
 
 
-def chat_response(head: dict[str, Any], out: RequestOutput, choices: Choices) -> dict[str, Any]:
-    """The body of a non-streamed chat completion: a choice per sample of the finished output `out`."""
-    items = [{"index": choice, "message": {"role": "assistant", "content": sample.text, "refusal": None},
-              "logprobs": None if sample.logprobs is None else chat_logprobs(sample.logprobs),
-              "finish_reason": sample.finish_reason, "stop_reason": choices.stop_reason(sample),
-              **incomplete_constraint(sample)}
-             for choice, sample, _ in choices.add(0, out)]
+Reader = Callable[[bool | None], ChatOutputReader]  # a chat sample's reader, given its output's prompt_reasoning
+
+
+def chat_response(head: dict[str, Any], out: RequestOutput, choices: Choices,
+                  reader: Reader = lambda _: ChatOutputReader()) -> dict[str, Any]:
+    """The body of a non-streamed chat completion: a choice per sample of the finished output `out`, its text
+    read into OpenAI's message by a fresh `reader` (reasoning, content, tool calls)."""
+    items = []
+    for choice, sample, _ in choices.add(0, out):
+        message = read_whole(reader(out.prompt_reasoning), sample.text)
+        items.append({"index": choice, "message": message.to_openai(),
+                      "logprobs": None if sample.logprobs is None else chat_logprobs(sample.logprobs),
+                      "finish_reason": message.finish_reason(sample.finish_reason),
+                      "stop_reason": choices.stop_reason(sample), **incomplete_constraint(sample)})
     return {**head, "choices": items, "system_fingerprint": None, "usage": choices.usage(),
             "prompt_logprobs": prompt_logprobs(out.prompt_logprobs)}
+
+
+def read_whole(reader: ChatOutputReader, text: str) -> AssistantMessage:
+    reader.feed(text)
+    reader.finish()
+    return reader.message()
 
 
 # ---------------------------------------------------------------------------------------------- streams
@@ -197,8 +214,7 @@ class ChunkWriter:
         for choice, sample, offset in self.choices.add(prompt, out):
             if self.choices.ended[choice]:
                 continue
-            if sample.text or sample.logprobs:
-                events.append(self.chunk(self.content(choice, sample, offset)))
+            events.extend(self.chunk(c) for c in self.content(choice, sample, offset, out))
             if sample.finish_reason is not None and sample.finish_reason != "error":  # an error ends the stream
                 self.choices.ended[choice] = True
                 events.append(self.chunk(self.end(choice, sample)))
@@ -207,7 +223,8 @@ class ChunkWriter:
     def closing(self) -> list[str]:
         return [sse({**self.head, "choices": [], "usage": self.choices.usage()})] if self.include_usage else []
 
-    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+    def content(self, choice: int, sample: SampleOutput, offset: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks (choice objects) of a sample's news, before its end chunk."""
         raise NotImplementedError
 
     def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
@@ -215,10 +232,12 @@ class ChunkWriter:
 
 
 class CompletionChunks(ChunkWriter):
-    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+    def content(self, choice: int, sample: SampleOutput, offset: int, out: RequestOutput) -> list[dict[str, Any]]:
+        if not sample.text and not sample.logprobs:
+            return []
         logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, offset)
-        return {"index": choice, "text": sample.text, "logprobs": logprobs, "finish_reason": None,
-                "stop_reason": None}
+        return [{"index": choice, "text": sample.text, "logprobs": logprobs, "finish_reason": None,
+                 "stop_reason": None}]
 
     def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
         return {"index": choice, "text": "", "logprobs": None, "finish_reason": sample.finish_reason,
@@ -226,15 +245,36 @@ class CompletionChunks(ChunkWriter):
 
 
 class ChatChunks(ChunkWriter):
+    """Chat chunks: each choice's text read as it streams by its own `reader` (reasoning, content and tool-call
+    deltas, `frontend/chat_output.py`); a step's logprobs ride on its first chunk."""
+
+    def __init__(self, head: dict[str, Any], choices: Choices, include_usage: bool, continuous: bool,
+                 reader: Reader = lambda _: ChatOutputReader()) -> None:
+        super().__init__(head, choices, include_usage, continuous)
+        self.reader = reader
+        self.readers: dict[int, ChatOutputReader] = {}
+
     def opening(self, firsts: list[RequestOutput]) -> list[str]:
         super().opening(firsts)
         return [self.chunk({"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}) for choice in range(len(self.choices.ended))]
 
-    def content(self, choice: int, sample: SampleOutput, offset: int) -> dict[str, Any]:
+    def content(self, choice: int, sample: SampleOutput, offset: int, out: RequestOutput) -> list[dict[str, Any]]:
+        reader = self.readers.get(choice)
+        if reader is None:
+            reader = self.readers[choice] = self.reader(out.prompt_reasoning)
+        deltas = reader.feed(sample.text)
+        if sample.finish_reason is not None and sample.finish_reason != "error":
+            deltas += reader.finish()
+        if not deltas and sample.logprobs:
+            deltas = [{"content": ""}]
         logprobs = None if sample.logprobs is None else chat_logprobs(sample.logprobs)
-        return {"index": choice, "delta": {"content": sample.text}, "logprobs": logprobs, "finish_reason": None}
+        return [{"index": choice, "delta": delta, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+                for i, delta in enumerate(deltas)]
 
     def end(self, choice: int, sample: SampleOutput) -> dict[str, Any]:
-        return {"index": choice, "delta": {}, "logprobs": None, "finish_reason": sample.finish_reason,
+        reader = self.readers.get(choice)
+        made_calls = reader is not None and reader.num_calls > 0 and sample.finish_reason == "stop"
+        return {"index": choice, "delta": {}, "logprobs": None,
+                "finish_reason": "tool_calls" if made_calls else sample.finish_reason,
                 "stop_reason": self.choices.stop_reason(sample), **incomplete_constraint(sample)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_LIMIT = 2**63  # token ids, counts and seeds travel as 64-bit integers
 
@@ -103,10 +103,65 @@ class TextContent(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # the arguments object as JSON text (OpenAI's)
+
+
+class MessageToolCall(RequestModel):
+    """A call an earlier assistant turn made (OpenAI's `tool_calls` entry)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContent]
+    """A message of the conversation. `tool` messages answer an assistant's call (`tool_call_id`); an assistant
+    message with `tool_calls` may have no content. `refusal` and `reasoning_content` are what a client sends back
+    when it appends a whole response message (the openai package does): the first is ignored, the second is shown
+    to templates that render earlier reasoning (Qwen3's)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant
+    reasoning_content: str | None = None  # assistant
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id is required in a tool message (the id of the call it answers)")
+        return self
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # accepted: forced calls always follow the schema
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """tool_choice naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,9 +172,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None  # OpenAI's older name
     max_completion_tokens: Annotated[int, Field(ge=1, lt=INT64_LIMIT)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None  # an empty list: no tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool | None = None  # None: True
     # vLLM's extra chat fields
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open for the model to continue
@@ -137,6 +192,7 @@ class TokenizeRequest(RequestModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None  # with messages: as a chat request renders them
 
 
 class DetokenizeRequest(RequestModel):
@@ -223,10 +279,23 @@ class CompletionResponse(ResponseModel):
     usage: Usage | None = None
 
 
+class ResponseFunctionCall(ResponseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ResponseToolCall(ResponseModel):
+    id: str  # chatcmpl-tool-<32 hex digits>
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = None  # None when calls or reasoning took all of the output
     refusal: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the text inside <think>...</think>
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class TopLogprobEntry(ResponseModel):
@@ -248,7 +317,7 @@ class ChatChoice(ResponseModel):
     index: int  # the sample index, 0 .. n - 1
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None  # "stop" or "length"
+    finish_reason: str | None = None  # "stop", "length", or "tool_calls" when it made calls
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id; None at EOS or length
 
 

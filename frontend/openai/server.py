@@ -56,6 +56,7 @@ from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S, raise_open
 from frontend.openai.app import build_app, version
 from frontend.openai.connection import HTTPConfig
 from frontend.openai.serving import ServerState
+from frontend.tool_parsers import TOOL_PARSER_NAMES
 
 log = logging.getLogger("deltaserve.http")
 GRACEFUL_SHUTDOWN_S = 3.0
@@ -95,6 +96,7 @@ class HTTPServerProcess:
         # The client port is CURVE-protected when it is an internal tcp socket (`--transport tcp` without
         # a served --port): this process then connects with its keys, like every internal peer.
         self.client_curve = endpoints.curve if args.client_curve else None
+        self.tool_call_parser, self.enable_auto_tool_choice = args.tool_call_parser, args.enable_auto_tool_choice
         self.stopped_by: int | None = None
 
     def _connection_limit(self) -> int | None:
@@ -136,7 +138,9 @@ class HTTPServerProcess:
         client = AsyncEngineClient(self.endpoints.client, curve=self.client_curve)
         await client.start()
         state = ServerState(client, api_key=envs.api_key(), max_body_bytes=envs.http_max_body_bytes(),
-                            version=version())
+                            version=version(), tool_call_parser=self.tool_call_parser,
+                            enable_auto_tool_choice=self.enable_auto_tool_choice,
+                            reasoning_parser=self.config.reasoning_parser)
         level = self.config.log_level.lower()
         server = _Server(HTTPConfig(build_app(state), timeout_header=self.timeout_header_s,
                                     max_connections=self.max_connections, log_level=level, access_log=level == "debug",
@@ -184,6 +188,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle keep-alive connection stays open")
     parser.add_argument("--timeout-header", type=float, default=TIMEOUT_HEADER_S,
                         help="seconds a connection may take to send a request head, and between two reads of a body")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
+                        help="how tool_choice 'auto' reads tool calls out of an output (vLLM's names)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="allow tool_choice 'auto' (needs --tool-call-parser)")
     parser.add_argument("--client-curve", action="store_true",
                         help="connect to the frontend's client socket with this process's CURVE keys "
                              "(DELTASERVE_CURVE_KEYS): it is an internal tcp socket")

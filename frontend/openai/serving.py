@@ -19,6 +19,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from common.protocol import (
     ERROR_ENGINE_DOWN,
@@ -31,12 +32,18 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from frontend.async_client import AsyncEngineClient, EngineUnavailable, RequestStream, merge_outputs
+from frontend.chat_output import ChatOutputReader
 from frontend.openai.errors import APIError, unavailable
-from frontend.openai.params import UnsupportedField, sampling_params
+from frontend.openai.params import UnsupportedField, sampling_params, structured_output_field
 from frontend.openai.responses import SSE_DONE, Choices, ChunkWriter, sse
 from frontend.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from frontend.reasoning_parsers import get_reasoning_parser
+from frontend.tools import ToolChoice, ToolRequestError, resolve_tool_choice
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+# Request fields the engine's refusals may start with, beside the sampling ones: the field named is the one blamed
+ENGINE_NAMED_FIELDS = SAMPLING_FIELDS | {"tools"}
+AUTO_TOOL_CHOICE_FLAGS = "a server started with --enable-auto-tool-choice and --tool-call-parser NAME (vLLM's flags)"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 T = TypeVar("T")
 
@@ -57,6 +64,9 @@ class ServerState:
     api_key: str | None = None  # None: no key needed
     max_body_bytes: int = 16 << 20
     version: str = "unknown"
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice "auto" reads outputs
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is allowed
+    reasoning_parser: str | None = None  # the engine's --reasoning-parser: chat outputs split off their reasoning
 
     def engine_info(self) -> EngineInfo:
         """The engine's info; raises a 503 `APIError` while the engine starts or once it goes down."""
@@ -86,6 +96,28 @@ class ServerState:
             return sampling_params(req, self.engine_info().max_model_len).to_dict()
         except UnsupportedField as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+
+    def tool_choice(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
+        """The request's tools as the chat template takes them (None: none) and how it uses them (None: no tools);
+        raises a 400 `APIError` naming `tools` or `tool_choice` for a choice this server cannot run (vLLM's rules,
+        `frontend/tools.py`), or `response_format` and its kin beside a forced call."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
+        try:
+            resolved = resolve_tool_choice(tools, choice, req.parallel_tool_calls, self.tool_call_parser,
+                                           self.enable_auto_tool_choice, AUTO_TOOL_CHOICE_FLAGS)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        constrained = structured_output_field(req)
+        if resolved is not None and resolved.forced and constrained is not None:
+            raise APIError(400, f"{constrained}: not with tool_choice {choice!r}, which constrains the output to the "
+                                "calls' JSON itself: one constraint per request", param=constrained)
+        return tools, resolved
+
+    def chat_reader(self, tools: ToolChoice | None) -> Callable[[bool | None], ChatOutputReader]:
+        """A factory of readers of one chat sample's output, given its `RequestOutput.prompt_reasoning`."""
+        reasoning = get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        return lambda prompt_reasoning: ChatOutputReader(reasoning, prompt_reasoning, tools)
 
     def choices(self, num_prompts: int, sampling: dict[str, Any]) -> Choices:
         """The choice bookkeeping of `num_prompts` prompts with `sampling["n"]` samples each."""
@@ -152,13 +184,24 @@ def stream_flags(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, 
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The chat template's input: text parts joined by newlines; OpenAI's "developer" role is a system one."""
+    """The chat template's input: text parts joined by newlines; OpenAI's "developer" role is a system one; an
+    assistant's calls (`tool_calls`, arguments as JSON text: the frontend makes objects of them), its earlier
+    reasoning (`reasoning_content`) and a tool message's `tool_call_id` go along, `refusal` does not."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(part.text for part in m.content)
+        if m.content is None or isinstance(m.content, str):
+            content = m.content
+        else:
+            content = "\n".join(part.text for part in m.content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 
@@ -176,7 +219,7 @@ def engine_error(out: RequestOutput, param: str, structured_param: str | None = 
             named = message if message.startswith(structured_param) else f"{structured_param}: {message}"
             return APIError(400, named, param=structured_param)
         named = re.match(r"[a-z_]+", message)
-        if named is not None and named.group(0) in SAMPLING_FIELDS:
+        if named is not None and named.group(0) in ENGINE_NAMED_FIELDS:
             return APIError(400, message, param=named.group(0))
         return APIError(400, f"{param if index is None else f'{param}[{index}]'}: {message}", param=param)
     if out.error_type == ERROR_ENGINE_DOWN:
