@@ -101,30 +101,30 @@ def _sample_kernel(
         # Dense (large blocks over the whole chunk) when the tile statistics would skip little, or do not exist.
         maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, tau, 0, CHUNK // TILE)
         if (stats == 0) | (n_hit * 4 > CHUNK // TILE):
-            best_score = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
-            best_index = tl.full([BLOCK_V // 4, 4], vocab_size, tl.int32)
-            best_y = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
-            kept_mass = tl.zeros([BLOCK_V // 4, 4], tl.float32)
+            # The lanes of each branch have their own names: compiled Triton merges a name bound in both branches
+            # of an `if`, and these differ in shape ([BLOCK_V // 4, 4] here, [TILE // 4, 4] below).
+            d_score = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
+            d_index = tl.full([BLOCK_V // 4, 4], vocab_size, tl.int32)
+            d_y = tl.full([BLOCK_V // 4, 4], -float("inf"), tl.float32)
+            d_mass = tl.zeros([BLOCK_V // 4, 4], tl.float32)
             for start in range(0, CHUNK, BLOCK_V):
-                best_score, best_index, best_y, kept_mass = _sample_block(
+                d_score, d_index, d_y, d_mass = _sample_block(
                     chunk * CHUNK + start, BLOCK_V // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr,
                     has_grammar, seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq,
-                    pres, inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
-                    kept_mass)
-            top, index, y_index, mass = _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size)
+                    pres, inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, d_score, d_index, d_y, d_mass)
+            top, index, y_index, mass = _lane_winner(d_score, d_index, d_y, d_mass, vocab_size)
         else:
-            best_score = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
-            best_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
-            best_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
-            kept_mass = tl.zeros([TILE // 4, 4], tl.float32)
+            t_score = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+            t_index = tl.full([TILE // 4, 4], vocab_size, tl.int32)
+            t_y = tl.full([TILE // 4, 4], -float("inf"), tl.float32)
+            t_mass = tl.zeros([TILE // 4, 4], tl.float32)
             for i in range(0, n_hit):
                 tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, CHUNK // TILE)
-                best_score, best_index, best_y, kept_mass = _sample_block(
+                t_score, t_index, t_y, t_mass = _sample_block(
                     tile * TILE, TILE // 4, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
                     seen_row_ptr, has_rep, rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres,
-                    inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, best_score, best_index, best_y,
-                    kept_mass)
-            top, index, y_index, mass = _lane_winner(best_score, best_index, best_y, kept_mass, vocab_size)
+                    inv_t, vocab_size, tau, sampled, seed, logprobs, row_max, t_score, t_index, t_y, t_mass)
+            top, index, y_index, mass = _lane_winner(t_score, t_index, t_y, t_mass, vocab_size)
         tl.store(best_score_ptr + out, top)
         tl.store(best_index_ptr + out, index)
         tl.store(best_y_ptr + out, y_index)

@@ -479,3 +479,59 @@ def test_real_vocabulary_in_a_cuda_graph_matches_the_reference(batch: int) -> No
     assert (kept[np.arange(len(check)), eager.tokens[check].cpu().numpy()]).all()
     assert (kept != ref.kept).sum() <= 2 * len(check)  # boundary ulps only
     np.testing.assert_allclose(eager.logprobs[check].cpu().numpy(), ref.logprobs, atol=1e-3)
+
+
+# A fresh process compiles every kernel of a real-size call for sm90 (no GPU needed: Triton ships ptxas), since in
+# this one they are interpreted, and the interpreter accepts code the compiler refuses (a name bound to tensors of
+# two shapes in the branches of an `if`, say). The launches are recorded instead of run.
+HOPPER_COMPILE = r"""
+import numpy as np, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+launches = []
+JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
+from gpu_kernels.processed_sampling import ProcessedSamplingWorkspace, processed_sample
+from gpu_kernels.sampling_inputs import I_STATE_ROW, PenaltyBits, ProcessedParams, SparseEntries
+
+V, n = 151936, 2
+TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+params = ProcessedParams.from_arrays(np.ones(n, np.float32), V, "cpu", top_k=np.ones(n), num_logprobs=np.full(n, 5))
+bits = PenaltyBits("cpu", n, V)
+for chunk in (2048, 4096, 8192):  # every chunk size the engine picks at this vocabulary
+    processed_sample(torch.zeros(n, V, dtype=torch.bfloat16), params, torch.zeros(n, dtype=torch.int64),
+                     workspace=ProcessedSamplingWorkspace("cpu", V, max_scratch_rows=n), penalties=bits,
+                     bitmask=torch.zeros(n, V // 32 + 1, dtype=torch.int32),
+                     sparse=SparseEntries.from_lists(n, "cpu", bias_rows=[0], bias_tokens=[3], bias_values=[1.0]),
+                     last_sampled=torch.zeros(4, dtype=torch.int64), num_top=5, chunk_size=chunk)
+bits.record(params.ints[:, I_STATE_ROW], torch.zeros(n, dtype=torch.int64))
+compiled = set()
+for fn, args, kwargs in launches:
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    sig = {name: TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+           for name, a in zip(fn.arg_names, args)} | {name: "constexpr" for name in kwargs}
+    key = (fn.__name__, tuple(sorted(kwargs.items())))
+    if key not in compiled:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kwargs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+        compiled.add(key)
+print(sorted({name for name, _ in compiled}))
+"""
+
+
+def test_every_kernel_compiles_for_hopper_at_the_real_size() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == str(sorted(["_collect_kernel", "_finish_kernel", "_pivot_kernel", "_plan_kernel",
+                                             "_prepare_kernel", "_rank_kernel", "_record_kernel", "_resolve_kernel",
+                                             "_sample_kernel"]))
