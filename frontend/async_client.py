@@ -14,7 +14,8 @@ A stream closed before its request finished aborts the request.
 
 Liveness: the client pings the frontend every `ping_interval_s` (which also tells the frontend this
 client still listens); once the engine has answered, a frontend silent for `dead_after_s` seconds
-ends every open request with an `ERROR_ENGINE_DOWN` error, as does the frontend when the engine stops.
+ends every open request with an `ERROR_ENGINE_DOWN` error, as does the frontend when the engine stops. A frontend
+that was only silent (a long stall, not a stop) is served again as soon as it is heard from.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class AsyncEngineClient:
         self.dead_after_s = dead_after_s
         self.info: EngineInfo | None = None  # set by the first answer to engine_info()
         self.down_reason: str | None = None  # why the engine is not serving any more
+        self._down_by_silence = False  # down_reason is the frontend's silence only, lifted when it is heard again
         self._streams: dict[str, RequestStream] = {}
         self._info_waiters: deque[asyncio.Future[EngineInfo]] = deque()
         # The frontend answers profiling requests in the order they came, without an id: one future per
@@ -304,6 +306,9 @@ class AsyncEngineClient:
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             self._last_heard = time.monotonic()
+            if self._down_by_silence:  # the frontend answers again: it had stalled, not stopped
+                log.warning("the engine's frontend at %s answers again; serving", self.address)
+                self.down_reason, self._down_by_silence = None, False
             try:
                 msg = decode(raw)
             except ProtocolError as exc:
@@ -315,8 +320,8 @@ class AsyncEngineClient:
                     stream = streams.get(out.request_id)
                     if stream is not None:
                         stream._put(out)
-                    if out.error_type == ERROR_ENGINE_DOWN and self.down_reason is None:
-                        self.down_reason = out.error
+                    if out.error_type == ERROR_ENGINE_DOWN and (self.down_reason is None or self._down_by_silence):
+                        self.down_reason, self._down_by_silence = out.error, False
             elif isinstance(msg, EngineInfo):
                 self.info = msg
                 while self._info_waiters:
@@ -349,6 +354,7 @@ class AsyncEngineClient:
             silent = time.monotonic() - self._last_heard
             if self.info is not None and self.down_reason is None and silent > self.dead_after_s:
                 self.fail_all(f"the engine's frontend at {self.address} has not answered for {silent:.0f} s")
+                self._down_by_silence = True
 
     def fail_all(self, why: str) -> None:
         """Mark the engine as down and end every open request with `why` (an `ERROR_ENGINE_DOWN` error)."""

@@ -192,6 +192,34 @@ def test_a_silent_frontend_ends_open_requests_and_refuses_new_ones(frontend: Fak
     assert out.finished and out.error_type == ERROR_ENGINE_DOWN and "has not answered" in out.error
 
 
+def test_a_frontend_that_stalled_and_answers_again_is_served_again(frontend: FakeFrontend) -> None:
+    """A stall longer than dead_after_s fails the requests that were open (their answers may never come), but a
+    frontend heard from again serves new requests: the HTTP server answered 503 for good after a 20 s stall of
+    a live engine (a fresh user's trial)."""
+
+    async def run() -> tuple[RequestOutput, RequestOutput]:
+        client = await started(frontend, ping_interval_s=0.1, dead_after_s=0.5)
+        try:
+            frontend.hold = True
+            (stream,) = client.submit([GenerateRequest(client.new_request_id(), prompt="waits")])
+            frontend.silent = True
+            failed = await asyncio.wait_for(stream.next_output(), 10)
+            assert not client.serving
+            frontend.silent = frontend.hold = False
+            for _ in range(100):  # the next pong lifts it
+                if client.serving:
+                    break
+                await asyncio.sleep(0.05)
+            (again,) = client.submit([GenerateRequest(client.new_request_id(), prompt="served")])
+            return failed, await asyncio.wait_for(again.next_output(), 10)
+        finally:
+            await client.close()
+
+    failed, served = asyncio.run(run())
+    assert failed.error_type == ERROR_ENGINE_DOWN and "has not answered" in failed.error
+    assert served.finished and served.error is None and served.text == "served"
+
+
 def lp(token_id: int) -> PositionLogprobs:
     return PositionLogprobs(token_id, -1.0, 1, f"t{token_id}", [TopLogprob(token_id, -1.0, f"t{token_id}")])
 
