@@ -23,6 +23,11 @@ FLOAT32_MAX = 3.4028234663852886e38  # the workers compute in float32
 MAX_LOGPROBS = 20  # most top entries `logprobs` and `prompt_logprobs` may ask for (vLLM's default max_logprobs)
 MAX_BAD_WORDS = 1024  # bad words a request may give: each costs the workers a prefix match every step
 MAX_STOP_STRINGS = 256  # stop strings a request may give: each is searched for after every token
+# Characters of one bad word and of one stop string: the frontend tokenizes every bad word in its one loop (1,024
+# words of 40,000 characters held it past the scheduler's 30 s liveness limit, which ended the engine), and each
+# stop string is searched for in the text after every token.
+MAX_BAD_WORD_CHARS = 256
+MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 100.0  # |bias| limit, as in OpenAI's API: -100 bans a token, +100 all but forces it
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, sample index) over 63 bits
 
@@ -148,8 +153,9 @@ class SamplingParams:
 
     Sampling (the workers apply these to each row's logits, in this order; see workers/logits_processing.py):
     - `logit_bias`: {token id: bias in [-100, 100]} added to those logits first.
-    - `bad_words`: words never to generate (at most MAX_BAD_WORDS): each is tokenized (alone and after a
-      space) and its last token is banned whenever the output ends with the word's other tokens.
+    - `bad_words`: words never to generate (at most MAX_BAD_WORDS, of MAX_BAD_WORD_CHARS each): each is
+      tokenized (alone and after a space) and its last token is banned whenever the output ends with the word's
+      other tokens.
     - `min_tokens`: end tokens and `stop_token_ids` cannot be sampled (and stop strings do not fire) until
       this many tokens were generated (0..max_tokens).
     - `repetition_penalty` (> 0; 1 = off): logits of tokens in the prompt or the output are divided by it
@@ -254,6 +260,10 @@ class SamplingParams:
                 raise ValueError(f"bad_words must be a list of non-blank strings or None, got {quote(self.bad_words)}")
             if len(self.bad_words) > MAX_BAD_WORDS:
                 raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            longest = max((len(w) for w in self.bad_words), default=0)
+            if longest > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words: each word may have at most {MAX_BAD_WORD_CHARS} characters, got one "
+                                 f"of {longest}")
             self.bad_words = list(self.bad_words)
         _integer("min_tokens", self.min_tokens, 0, TOKEN_ID_LIMIT - 1, "[0, max_tokens]")
         if self.min_tokens > self.max_tokens:
@@ -265,6 +275,10 @@ class SamplingParams:
                 raise ValueError(f"stop must be a non-empty string or a list of them, or None, got {quote(self.stop)}")
             if len(self.stop) > MAX_STOP_STRINGS:
                 raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            longest = max(len(x) for x in self.stop) if self.stop else 0
+            if longest > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: each string may have at most {MAX_STOP_STRING_CHARS} characters, got one "
+                                 f"of {longest}")
             self.stop = list(self.stop)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
+from common.sampling_params import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 from frontend.validation import bad_words_token_ids, load_tokenizer
 
 
@@ -55,3 +61,14 @@ def test_a_list_over_its_limit_is_refused_naming_the_field(field: str, value: li
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
     SamplingParams(**{field: value[:-1]})  # at the limit: accepted
+
+
+@pytest.mark.parametrize(("field", "limit", "message"), [
+    ("bad_words", MAX_BAD_WORD_CHARS, f"each word may have at most {MAX_BAD_WORD_CHARS} characters"),
+    ("stop", MAX_STOP_STRING_CHARS, f"each string may have at most {MAX_STOP_STRING_CHARS} characters")])
+def test_a_string_over_its_length_is_refused_naming_the_field(field: str, limit: int, message: str) -> None:
+    """Long words held the frontend's one loop while they were tokenized (a fresh user's trial: 1,024 bad words of
+    40,000 characters ended the engine through the scheduler's liveness limit)."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: ["ok", "x" * (limit + 1)]})
+    SamplingParams(**{field: ["ok", "x" * limit]})  # at the limit: accepted
