@@ -28,6 +28,7 @@ MAX_STOP_STRINGS = 256  # stop strings a request may give: each is searched for 
 # stop string is searched for in the text after every token.
 MAX_BAD_WORD_CHARS = 256
 MAX_STOP_STRING_CHARS = 1024
+MAX_SCHEMA_DEPTH = 64  # objects and arrays inside one another in a JSON schema (a deeper one overflowed Python's stack)
 MAX_LOGIT_BIAS = 100.0  # |bias| limit, as in OpenAI's API: -100 bans a token, +100 all but forces it
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, sample index) over 63 bits
 
@@ -83,6 +84,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or true), got "
                              f"{quote(self.json)}")
         if isinstance(self.json, dict):
+            if _nesting_depth(self.json) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_outputs.json: the schema nests objects and arrays more than "
+                                 f"{MAX_SCHEMA_DEPTH} levels deep")
             try:
                 json.dumps(self.json, allow_nan=False)
             except (TypeError, ValueError, RecursionError) as exc:  # bytes, NaN, a map key that is a list, ...
@@ -138,6 +142,24 @@ class StructuredOutputsParams:
         if unknown:
             raise ValueError(f"unknown structured_outputs fields {quote(unknown)}; known: {known}")
         return cls(**value)
+
+
+def _nesting_depth(value: Any) -> int:
+    """How many dicts and lists lie inside one another in `value` (1 for a flat dict; MAX_SCHEMA_DEPTH + 1 for
+    anything deeper), counted without recursion, so a document of any depth gets an answer, not a RecursionError."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_SCHEMA_DEPTH:  # past the limit the answer is known to be too deep
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams: exactly one of these

@@ -664,6 +664,27 @@ def test_a_bad_structured_output_names_its_field_once(server: HTTPServer, field:
     assert response.status_code == 400 and response.json()["error"]["message"].startswith(starts), response.text
 
 
+def deep_schema(levels: int) -> dict:
+    """An object schema with `levels` objects inside one another (two dicts a level: the schema, its properties)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("guided_json", deep_schema(240)),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(240)}}),
+    ("structured_outputs", {"json": {"type": "array", "items": deep_schema(200)}})])
+def test_a_deeply_nested_schema_is_a_400_not_a_500(server: HTTPServer, field: str, value: object) -> None:
+    """A 14 KB schema nested 240 objects deep overflowed Python's stack while the request was converted (500,
+    RecursionError, and thousands of lines of traceback in the log; a fresh user's trial)."""
+    response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "more than 64 levels deep" in error["message"], error
+
+
 @pytest.mark.parametrize(("raw", "param"), [
     (b'{"prompt": "x", "temperature": NaN}', "temperature"),
     (b'{"prompt": "x", "temperature": Infinity}', "temperature"),
