@@ -164,6 +164,14 @@ class ToolCallStream:
         self._pending_space = ""
         return ToolCallRecord(CallScanner(argument_keys), raw)
 
+    def _read_object(self, record: ToolCallRecord, held: str) -> str:
+        """Feed the held text `held` to `record`'s scanner, keep what it took in `record.raw`, stream what the call
+        gained (`_advance`); returns the text the scanner left (past the call's object)."""
+        taken = record.scanner.feed(held)
+        record.raw += held[:taken]
+        self._advance(record)
+        return held[taken:]
+
     def _advance(self, record: ToolCallRecord) -> None:
         """Stream what `record` gained: its first piece once its name is known, then its new arguments."""
         if record.name is None:

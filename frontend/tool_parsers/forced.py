@@ -49,10 +49,7 @@ class RequiredCallsStream(ToolCallStream):
             elif self._state == _OBJECT:
                 call = self._call
                 assert call is not None
-                taken = call.scanner.feed(self._held)
-                call.raw += self._held[:taken]
-                self._held = self._held[taken:]
-                self._advance(call)
+                self._held = self._read_object(call, self._held)
                 if call.scanner.done and call.name is not None:
                     self._call, self._state = None, _AFTER_ELEMENT
                 elif call.scanner.done or call.scanner.failed:

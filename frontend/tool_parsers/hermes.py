@@ -61,10 +61,7 @@ class HermesStream(ToolCallStream):
             elif self._state == _OBJECT:
                 call = self._call
                 assert call is not None
-                taken = call.scanner.feed(self._held)
-                call.raw += self._held[:taken]
-                self._held = self._held[taken:]
-                self._advance(call)
+                self._held = self._read_object(call, self._held)
                 if call.name is None and (call.scanner.done or call.scanner.failed):
                     self._abandon(call)
                     self._call, self._state = None, _TEXT
