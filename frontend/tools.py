@@ -99,7 +99,11 @@ def resolve_tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: 
     --enable-auto-tool-choice); `auto_hint`: how to enable it, for the error message.
 
     Raises `ToolRequestError` naming the field: a tool_choice without tools, an unknown mode, a named function
-    that is not among the tools, "auto" without a parser or where it is not allowed, a malformed tool."""
+    that is not among the tools, "auto" without a parser or where it is not allowed, a malformed tool, a
+    parallel_tool_calls that is not a bool or None."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolRequestError("parallel_tool_calls", f"parallel_tool_calls must be true, false or null, got "
+                                                      f"{_shown(parallel_tool_calls)}")
     if not tools:
         if tool_choice is None or tool_choice == "none":
             return None

@@ -99,6 +99,8 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
+        except RecursionError:  # nested deeper than Python's stack: as much a bad argument as a syntax error
+            raise ValueError(f"{where}.function.arguments is JSON nested too deeply: {arguments[:80]!r}") from None
         except ValueError as exc:
             raise ValueError(f"{where}.function.arguments is not JSON text ({exc}): {arguments[:80]!r}") from None
     if not isinstance(arguments, dict):

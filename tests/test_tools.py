@@ -224,6 +224,14 @@ def test_tool_choice_defaults_to_auto_with_tools_and_to_nothing_without() -> Non
     assert resolve_tool_choice([WEATHER], "required", False, None, False, "").parallel is False
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1, "false"])
+def test_a_parallel_tool_calls_that_is_not_a_bool_is_refused_naming_it(value: object) -> None:
+    """LLM.chat took "no" as true (the HTTP schema refused it already; a fresh user's trial)."""
+    with pytest.raises(ToolRequestError, match="parallel_tool_calls must be true, false or null") as info:
+        resolve_tool_choice([WEATHER], "required", value, None, False, "")  # type: ignore[arg-type]
+    assert info.value.param == "parallel_tool_calls"
+
+
 @pytest.mark.parametrize(("tools", "choice", "parser", "message"), [
     ([WEATHER], "auto", None, '"auto".*--enable-auto-tool-choice'),
     ([WEATHER], None, None, '"auto".*--enable-auto-tool-choice'),
@@ -378,6 +386,8 @@ def test_a_history_of_calls_and_tool_results_renders_with_the_arguments_as_objec
 @pytest.mark.parametrize(("arguments", "message"), [
     ("{not json", r"messages\[1\].tool_calls\[0\].function.arguments is not JSON text"),
     ('["a"]', r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"),
+    # 5,000 levels overflowed Python's stack: an internal error and a traceback (a fresh user's trial)
+    ('{"x":' * 5000 + "1" + "}" * 5000, r"messages\[1\].tool_calls\[0\].function.arguments is JSON nested too"),
 ])
 def test_call_arguments_that_are_no_json_object_are_refused_naming_them(tokenizer, arguments: str,
                                                                         message: str) -> None:
