@@ -358,6 +358,21 @@ class EngineClient:
         `generate()` closed early (its request aborted) to nobody. Raises `EngineConnectionError` if the engine
         does not answer for `dead_after_s` seconds, `RuntimeError` if it refused a message of this client's."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            outputs = []
+            for out in self._collect(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                box = self._streams.get(out.request_id)
+                if box is None:
+                    outputs.append(out)
+                else:  # a generate() iterator's: it finds the output in its box
+                    box.append(out)
+            if outputs or (deadline is not None and time.monotonic() >= deadline):
+                return outputs
+
+    def _collect(self, timeout_s: float | None) -> list[RequestOutput]:
+        """Every output received for this client's requests, waiting at most `timeout_s` (None: as long as the
+        engine lives) for at least one; [] when none came."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._pending:  # a message may hold only outputs of dropped requests: wait on
             if not self._receive(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return []
@@ -413,9 +428,11 @@ class EngineClient:
         """Submit one request and yield its outputs (deltas when streaming) until it finishes.
 
         `prompt`: text, token ids, or chat messages (as `add_request` takes them; raises `TypeError` for other
-        types, or for `sampling_params` that are not `SamplingParams`). Closing the iterator early (a `break` out
-        of the loop) aborts the request, and none of its outputs reaches `recv_outputs()` later. Raises
-        `EngineConnectionError` after `close()`.
+        types, or for `sampling_params` that are not `SamplingParams`). Closing the iterator early aborts the
+        request, and none of its outputs reaches `recv_outputs()` later: its `close()`, or a `break` out of a
+        `for` loop over the call itself (an iterator kept in a variable is closed only when it is collected).
+        While it is open, `recv_outputs()` leaves its outputs to it. Raises `EngineConnectionError` after
+        `close()`.
         """
         if self.sock.closed:
             raise EngineConnectionError("this client has been closed")
@@ -431,7 +448,7 @@ class EngineClient:
             try:
                 while not finished:
                     if not box:  # whoever reads first files each output under its request's iterator
-                        for out in self.recv_outputs():
+                        for out in self._collect(None):
                             self._streams.get(out.request_id, others).append(out)
                         continue
                     out = box.popleft()

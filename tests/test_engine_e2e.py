@@ -222,6 +222,21 @@ def test_breaking_out_of_generate_leaves_nothing_of_that_request_for_recv_output
     assert late == []
 
 
+def test_recv_outputs_leaves_an_open_generate_iterators_outputs_to_it(llm: LLM) -> None:
+    """recv_outputs() called while a generate() stream was open took one of its deltas: the stream's tokens then
+    came one short (a fresh user's trial)."""
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        stream = client.generate("Tell me a story", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        first = next(stream)
+        taken = client.recv_outputs(timeout_s=1.0)
+        rest = list(stream)
+    finally:
+        client.close()
+    assert taken == []
+    assert sum(len(o.token_ids) for o in [first, *rest]) == 30 and rest[-1].finished
+
+
 def test_a_client_submits_prompts_and_messages_aborts_and_receives_without_protocol_types(llm: LLM) -> None:
     client = EngineClient(llm.engine.endpoints.client)
     try:
