@@ -205,8 +205,9 @@ class EngineClient:
         token ids new since the last one), else one when it finishes. `request_id`: default `new_request_id()`;
         it must differ from this client's requests still running (the engine refuses a duplicate).
 
-        Raises `TypeError` for a prompt or messages of the wrong type, both or neither given, or `params` that are
-        not `SamplingParams`. A request the engine refuses (a prompt too long, a parameter out of range) is not
+        Raises `TypeError` for a prompt or messages of the wrong type, both or neither given, `params` that are
+        not `SamplingParams`, a `request_id` that is not a string or a `stream` that is not a bool. A request the
+        engine refuses (a prompt too long, a parameter out of range) is not
         raised: it finishes at once with finish reason "error" and `error` saying why.
         """
         req = self._request(prompt, params, messages, stream, request_id)
@@ -224,6 +225,10 @@ class EngineClient:
             raise TypeError("give a prompt or messages" + (", not both" if prompt is not None else ""))
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
+        if not isinstance(stream, bool):
+            raise TypeError(f"stream must be True or False, got {type(stream).__name__}")
         if messages is not None and not (isinstance(messages, list) and messages
                                          and all(isinstance(m, Mapping) for m in messages)):
             raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -296,9 +301,13 @@ class EngineClient:
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Stop these requests of this client's (one id or a list); each then finishes with finish reason "abort"
-        and the text it has, delivered by `recv_outputs()`. Ids unknown to the engine or finished are ignored."""
+        and the text it has, delivered by `recv_outputs()`. Ids unknown to the engine or finished are ignored.
+        Raises `TypeError` for anything but a string or a list of strings."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_ids must be a request id or a list of them, got {type(request_ids).__name__}")
         self._check_thread()
-        self._send(encode(Abort([request_ids] if isinstance(request_ids, str) else list(request_ids))))
+        self._send(encode(Abort(list(ids))))
 
     def _drop(self, request_id: str) -> None:
         """Abort `request_id` and keep every output of it still to come (its final one too) from `recv_outputs`."""

@@ -222,6 +222,23 @@ def test_breaking_out_of_generate_leaves_nothing_of_that_request_for_recv_output
     assert late == []
 
 
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda c: c.add_request("hi", request_id=123), "request_id must be a string or None"),
+    (lambda c: c.add_request("hi", stream="yes"), "stream must be True or False"),
+    (lambda c: c.abort([1, 2, 3]), "request_ids must be a request id or a list of them"),
+    (lambda c: c.abort({"a": 1}), "request_ids must be a request id or a list of them")])
+def test_wrong_argument_types_of_the_request_api_raise_at_once(llm: LLM, call, message: str) -> None:
+    """They were sent, and the engine's refusal came out of a later, unrelated recv_outputs() as a RuntimeError
+    (a fresh user's trial)."""
+    client = EngineClient(llm.engine.endpoints.client)
+    try:
+        with pytest.raises(TypeError, match=message):
+            call(client)
+        assert client.recv_outputs(timeout_s=0.5) == []
+    finally:
+        client.close()
+
+
 def test_recv_outputs_leaves_an_open_generate_iterators_outputs_to_it(llm: LLM) -> None:
     """recv_outputs() called while a generate() stream was open took one of its deltas: the stream's tokens then
     came one short (a fresh user's trial)."""
