@@ -73,7 +73,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free block ids: taken from the front, returned to the back (LRU).
-        self.free_block_ids = FreeBlockQueue(range(num_blocks))
+        self.free_block_ids = FreeBlockQueue(num_blocks)
         self.hash_to_block_id: dict[int, int] = {}
 
     @property

@@ -2,66 +2,84 @@
 
 A block is taken from the front (the least recently freed, so cached prefixes that were freed long ago are the
 first to lose their content) and returned to the back; a cached block that a new sequence revives leaves the queue
-from wherever it stands. An insertion-ordered dict did all three, but taking its first key skips every key deleted
-from its front since the dict last compacted: 44 us a take at 131,072 blocks, most of the scheduler's CPU in a
-burst (benchmarks/soak.py), and a step in its memory when the dict finally resized.
+from wherever it stands (vLLM's `FreeKVCacheBlockQueue` keeps the same order with linked block objects).
 
-Here the queue is a deque of (generation, block id) entries and a dict from each free block id to the generation of
-its live entry. Removing a block deletes its dict key only; its entry goes stale and is dropped when it reaches the
-front (or when stale entries outnumber live ones, by one rebuild), so every operation is O(1) amortized and the
-deque never holds more than about twice the free blocks.
+Block ids are 0 .. num_blocks - 1, so the queue is a circular doubly linked list in two fixed lists indexed by
+block id (`_next`, `_prev`), with one sentinel slot (id `num_blocks`) that is both the front's predecessor and the
+back's successor. Its storage is allocated once and never grows. Two earlier forms did grow: an insertion-ordered
+dict (taking its first key skipped every key deleted from its front since the dict last compacted: 44 us a take at
+131,072 blocks), then a deque of (generation, id) entries beside a dict of live generations, whose dict doubled to
+10 MiB in the third burst of benchmarks/soak.py when its deleted slots ran out: a 5.6 MiB step in the scheduler's
+memory that never came back.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Iterator
-
-_COMPACT_SLACK = 1024  # stale entries tolerated beyond the live ones before a rebuild
+from collections.abc import Iterator
 
 
 class FreeBlockQueue:
-    """Free block ids, least recently freed first. The dict-like spelling of the old insertion-ordered set is kept:
-    `queue[block_id] = None` returns a block to the back, `del queue[block_id]` removes it from anywhere, iteration
-    yields the ids front to back, `len` counts them. Raises KeyError for a removal of an id that is not free, and
-    ValueError for a return of one that already is."""
+    """The free ones among block ids 0 .. `num_blocks` - 1, least recently freed first; all are free at the start,
+    in id order. The dict-like spelling of the old insertion-ordered set is kept: `queue[block_id] = None` returns
+    a block to the back, `del queue[block_id]` removes it from anywhere, iteration yields the ids front to back,
+    `len` counts them. Raises KeyError for a removal of an id that is not free, ValueError for a return of one that
+    already is, IndexError for an id outside 0 .. num_blocks - 1."""
 
-    def __init__(self, block_ids: Iterable[int] = ()) -> None:
-        self._entries: deque[tuple[int, int]] = deque()
-        self._generation: dict[int, int] = {}
-        self._next_generation = 0
-        for block_id in block_ids:
-            self[block_id] = None
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self._sentinel = s = num_blocks
+        self._next = list(range(1, num_blocks + 1)) + [0 if num_blocks else s]  # the sentinel's next is the front
+        self._prev = [s] + list(range(num_blocks)) if num_blocks else [s]  # the sentinel's prev is the back
+        self._free = bytearray(b"\x01") * num_blocks
+        self._len = num_blocks
 
     def __len__(self) -> int:
-        return len(self._generation)
+        return self._len
 
     def __contains__(self, block_id: object) -> bool:
-        return block_id in self._generation
+        return isinstance(block_id, int) and 0 <= block_id < self._sentinel and bool(self._free[block_id])
 
     def __iter__(self) -> Iterator[int]:
-        generation = self._generation
-        return (b for g, b in list(self._entries) if generation.get(b) == g)
+        ids, nxt, s = [], self._next, self._sentinel
+        b = nxt[s]
+        while b != s:
+            ids.append(b)
+            b = nxt[b]
+        return iter(ids)
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self._sentinel:
+            raise IndexError(f"block id {block_id} is outside 0 .. {self._sentinel - 1}")
 
     def __setitem__(self, block_id: int, _: None) -> None:
-        if block_id in self._generation:
+        self._check(block_id)
+        if self._free[block_id]:
             raise ValueError(f"block {block_id} is already free")
-        g = self._next_generation
-        self._next_generation = g + 1
-        self._generation[block_id] = g
-        self._entries.append((g, block_id))
-        if len(self._entries) > 2 * len(self._generation) + _COMPACT_SLACK:
-            self._entries = deque(e for e in self._entries if self._generation.get(e[1]) == e[0])
+        s, prev = self._sentinel, self._prev
+        back = prev[s]
+        self._next[back] = block_id
+        prev[block_id] = back
+        self._next[block_id] = s
+        prev[s] = block_id
+        self._free[block_id] = 1
+        self._len += 1
 
     def __delitem__(self, block_id: int) -> None:
-        del self._generation[block_id]  # its entry is stale from now on
+        self._check(block_id)
+        if not self._free[block_id]:
+            raise KeyError(block_id)
+        nxt, prev = self._next, self._prev
+        before, after = prev[block_id], nxt[block_id]
+        nxt[before] = after
+        prev[after] = before
+        self._free[block_id] = 0
+        self._len -= 1
 
     def popleft(self) -> int:
         """Take the least recently freed block id. Raises IndexError when none is free."""
-        entries, generation = self._entries, self._generation
-        while entries:
-            g, block_id = entries.popleft()
-            if generation.get(block_id) == g:
-                del generation[block_id]
-                return block_id
-        raise IndexError("no free block")
+        front = self._next[self._sentinel]
+        if front == self._sentinel:
+            raise IndexError("no free block")
+        del self[front]
+        return front

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -10,7 +11,7 @@ from scheduler_proc.free_block_queue import FreeBlockQueue
 
 
 def test_blocks_leave_in_the_order_they_were_freed() -> None:
-    q = FreeBlockQueue(range(4))
+    q = FreeBlockQueue(4)
     taken = [q.popleft(), q.popleft()]
     q[taken[1]] = None
     q[taken[0]] = None
@@ -21,7 +22,7 @@ def test_blocks_leave_in_the_order_they_were_freed() -> None:
 
 
 def test_a_revived_block_leaves_from_the_middle_and_returns_at_the_back() -> None:
-    q = FreeBlockQueue(range(5))
+    q = FreeBlockQueue(5)
     del q[2]
     assert 2 not in q and list(q) == [0, 1, 3, 4]
     q[2] = None
@@ -32,7 +33,7 @@ def test_a_revived_block_leaves_from_the_middle_and_returns_at_the_back() -> Non
 
 
 def test_wrong_returns_and_removals_are_refused() -> None:
-    q = FreeBlockQueue(range(2))
+    q = FreeBlockQueue(2)
     with pytest.raises(ValueError, match="already free"):
         q[1] = None
     del q[1]
@@ -42,7 +43,7 @@ def test_wrong_returns_and_removals_are_refused() -> None:
 
 def test_matches_an_insertion_ordered_dict_under_random_use() -> None:
     rng = random.Random(0)
-    q, ref = FreeBlockQueue(range(64)), dict.fromkeys(range(64))
+    q, ref = FreeBlockQueue(64), dict.fromkeys(range(64))
     used: list[int] = []
     for _ in range(20_000):
         op = rng.random()
@@ -63,11 +64,34 @@ def test_matches_an_insertion_ordered_dict_under_random_use() -> None:
     assert list(q) == list(ref)
 
 
-def test_storage_stays_bounded_when_the_same_blocks_are_revived_and_freed_for_ever() -> None:
-    q = FreeBlockQueue(range(100))
+def test_storage_never_grows_whatever_the_use() -> None:
+    """The soak's third burst once doubled the old queue's dict (a 5.6 MiB step in the scheduler): the storage is
+    allocated for every block at the start and is the same size after rounds of takes, revivals and returns."""
+    q = FreeBlockQueue(4096)
+    sizes = (sys.getsizeof(q._next), sys.getsizeof(q._prev), sys.getsizeof(q._free))
+    for _ in range(10):  # rounds like the soak's bursts: take most blocks, revive some, return them all
+        taken = [q.popleft() for _ in range(3000)]
+        for block in list(q)[::7]:
+            del q[block]
+            taken.append(block)
+        for block in taken:
+            q[block] = None
     for _ in range(50_000):  # a prefix-cache hit every time: free -> revive -> free, never a take
         del q[7]
         q[7] = None
 
-    assert len(q._entries) <= 2 * len(q) + 1024 + 1
-    assert list(q)[-1] == 7 and len(q) == 100
+    assert (sys.getsizeof(q._next), sys.getsizeof(q._prev), sys.getsizeof(q._free)) == sizes
+    assert list(q)[-1] == 7 and len(q) == 4096 and sorted(q) == list(range(4096))
+
+
+def test_ids_outside_the_pool_are_refused_and_an_empty_pool_works() -> None:
+    q = FreeBlockQueue(3)
+    with pytest.raises(IndexError, match="outside"):
+        q[3] = None
+    with pytest.raises(IndexError, match="outside"):
+        del q[-1]
+    assert 3 not in q and "x" not in q
+    empty = FreeBlockQueue(0)
+    assert len(empty) == 0 and list(empty) == []
+    with pytest.raises(IndexError):
+        empty.popleft()
