@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import Logprobs, PositionLogprobs, SampleOutput, TopLogprob
+from common.protocol import LogprobColumns, Logprobs, PositionLogprobs, SampleOutput, TopLogprob
 from common.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer
 
@@ -88,7 +88,7 @@ class SampleState:
         self.holdback = max(map(len, self.stops)) - 1 if self.stops and not self.include_stop else 0
         self.text = ""  # the output text so far, cut at a stop string
         self.token_ids: list[int] = []
-        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.logprobs: LogprobColumns | None = LogprobColumns() if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -102,13 +102,14 @@ class SampleState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token_id: int, logprobs: PositionLogprobs | None, stop_token: bool) -> bool:
-        """Add one sampled token (`stop_token`: the scheduler ends the sample with it). Returns True when
-        it completes a stop string: the sample is then finished with reason "stop"."""
+    def add(self, token_id: int, logprobs: SampledLogprobs | None, stop_token: bool) -> bool:
+        """Add one sampled token (`stop_token`: the scheduler ends the sample with it) and its logprobs (from
+        `sampled_logprobs`). Returns True when it completes a stop string: the sample is then finished with
+        reason "stop"."""
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
+            self.logprobs.append(token_id, *logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[0]
         piece = self.detokenizer.step(token_id, emit=not stop_token or self.include_stop)
         if stop_token:
             self.stop_reason = None if token_id == self.eos_token_id else token_id
@@ -154,11 +155,11 @@ class SampleState:
         if stream:
             out = SampleOutput(self.index, text[self.sent_chars:], self.token_ids[self.sent_tokens:],
                                self.finish_reason, self.stop_reason,
-                               None if lps is None else lps[self.sent_logprobs:], self.cumulative_logprob,
+                               None if lps is None else lps.since(self.sent_logprobs), self.cumulative_logprob,
                                self.structured_output_incomplete)
         else:
             out = SampleOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
-                               None if lps is None else list(lps), self.cumulative_logprob,
+                               None if lps is None else lps.since(0), self.cumulative_logprob,
                                self.structured_output_incomplete)
         self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
         self.sent_logprobs = len(lps) if lps is not None else 0
@@ -180,9 +181,15 @@ def prompt_logprobs_of(lp: Logprobs, prompt_by_seq: dict[int, tuple[list[int], l
             received.append(position_logprobs(prompt[position], logprob, rank, top_ids, top_lps, texts))
 
 
-def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTexts) -> dict[int, PositionLogprobs]:
-    """Index in a `StepOutputs` -> the logprobs of the token sampled there (for the rows that asked)."""
+# The logprobs of one sampled token: its logprob, rank and text, and its top entries' ids, logprobs and texts.
+SampledLogprobs = tuple[float, int, str, list[int], list[float], list[str]]
+
+
+def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTexts) -> dict[int, SampledLogprobs]:
+    """Index in a `StepOutputs` -> the logprobs of the token sampled there (for the rows that asked), as
+    `SampleState.add` takes them (no object per entry: see `LogprobColumns`)."""
     if lp is None:
         return {}
-    return {row: position_logprobs(int(token_ids[row]), logprob, rank, top_ids, top_lps, texts)
+    ids = token_ids.tolist()
+    return {row: (logprob, rank, texts(ids[row]), top_ids, top_lps, [texts(i) for i in top_ids])
             for row, logprob, rank, top_ids, top_lps in iter_positions(lp)}

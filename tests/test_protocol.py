@@ -27,6 +27,7 @@ from common.protocol import (
     GenerateRequest,
     Int32Array,
     Logprobs,
+    LogprobColumns,
     NewBlocks,
     NewRequest,
     Ping,
@@ -35,6 +36,7 @@ from common.protocol import (
     RequestOutput,
     RequestOutputs,
     ResumedRequest,
+    SampleOutput,
     StepOutputs,
     StepPlan,
     StepResult,
@@ -50,18 +52,15 @@ MESSAGE_NAMES = sorted(protocol.MESSAGE_TYPES)
 
 
 # ============================================================================ example messages
-# Fields appended (with defaults) after the bytes of protocol version 1 were recorded, by struct: the recorded
-# examples leave them at their defaults, so those bytes stay what an older peer sends and reads.
-FIELDS_AFTER_V1 = {
-    "GenerateRequest": ("tools",),
-    "SamplingOptions": ("reasoning_end_token_id", "reasoning_start_token_id"),
-    "RequestOutput": ("prompt_reasoning",),
-}
+# Fields appended (with defaults) after the bytes of this protocol version were recorded, by struct: the
+# recorded examples leave them at their defaults, so those bytes stay what an older peer of the version sends
+# and reads. (Version 1's three appended fields were folded into version 2's recording.)
+FIELDS_AFTER_RECORDING: dict[str, tuple[str, ...]] = {}
 
 
-def example_value(hint: Any, salt: int, v1_only: bool = False) -> Any:
-    """A value of type `hint` that is never a field default (non-empty, non-zero, not None); `v1_only`: structs
-    with their `FIELDS_AFTER_V1` at their defaults."""
+def example_value(hint: Any, salt: int, recorded_only: bool = False) -> Any:
+    """A value of type `hint` that is never a field default (non-empty, non-zero, not None); `recorded_only`: structs
+    with their `FIELDS_AFTER_RECORDING` at their defaults."""
     origin = typing.get_origin(hint)
     if hint is Int32Array:
         return i32([salt, -salt, 2**31 - 1, -(2**31)])
@@ -69,10 +68,10 @@ def example_value(hint: Any, salt: int, v1_only: bool = False) -> Any:
         return f32([0.5 * salt, -float("inf"), 3.4e38, -1e-30])
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        return example_value(inner[-1], salt, v1_only)  # the last alternative: a value the earlier ones refuse
+        return example_value(inner[-1], salt, recorded_only)  # the last alternative: a value the earlier ones refuse
     if origin is list:
         (item,) = typing.get_args(hint)
-        return [example_value(item, salt + 1, v1_only), example_value(item, salt + 2, v1_only)]
+        return [example_value(item, salt + 1, recorded_only), example_value(item, salt + 2, recorded_only)]
     if origin is dict:
         key, value = typing.get_args(hint)
         if key is int and value is float:
@@ -87,7 +86,7 @@ def example_value(hint: Any, salt: int, v1_only: bool = False) -> Any:
             return {"stop": salt, "length": 2 * salt}
         return {"model": "tiny", "nested": {"ids": [1, 2, 3], "ok": True, "raw": b"\x00\xff", "none": None}}
     if dataclasses.is_dataclass(hint):
-        return example_message(hint, salt, v1_only)
+        return example_message(hint, salt, recorded_only)
     if hint is bool:
         return True  # the opposite of a bool field's default (example_message turns a default True off)
     if hint is int:
@@ -101,22 +100,22 @@ def example_value(hint: Any, salt: int, v1_only: bool = False) -> Any:
     raise AssertionError(f"no example for field type {hint!r}: extend example_value")
 
 
-def example_message(cls: type, salt: int = 1, v1_only: bool = False) -> Any:
+def example_message(cls: type, salt: int = 1, recorded_only: bool = False) -> Any:
     hints = typing.get_type_hints(cls)
-    later = FIELDS_AFTER_V1.get(cls.__name__, ()) if v1_only else ()
+    later = FIELDS_AFTER_RECORDING.get(cls.__name__, ()) if recorded_only else ()
 
     def example(f: dataclasses.Field, i: int) -> Any:
         if hints[f.name] is bool and f.default is True:  # a switch that is on by default: the example turns it off
             return False
-        return example_value(hints[f.name], salt + i, v1_only)
+        return example_value(hints[f.name], salt + i, recorded_only)
 
     return cls(**{f.name: example(f, i) for i, f in enumerate(dataclasses.fields(cls)) if f.name not in later})
 
 
-def required_fields_only(cls: type, salt: int = 3, v1_only: bool = False) -> Any:
+def required_fields_only(cls: type, salt: int = 3, recorded_only: bool = False) -> Any:
     """An instance of `cls` with its required fields set (as `example_value` makes them), the rest at their defaults."""
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: example_value(hints[f.name], salt, v1_only)
+    return cls(**{f.name: example_value(hints[f.name], salt, recorded_only)
                   for f in dataclasses.fields(cls) if field_default(f) is dataclasses.MISSING})
 
 
@@ -247,9 +246,9 @@ def test_union_fields_keep_the_first_type_that_fits() -> None:
         decode(encode(RequestOutputs([RequestOutput("r1", metrics={"x": "slow"})])))
 
 
-# ============================================================================ the bytes of protocol version 1
-# Recorded once from the single-module protocol (see "about" in the file): the package must write the same bytes.
-WIRE_BYTES_V1 = json.loads((Path(__file__).parent / "data" / "wire_bytes_v1.json").read_text(encoding="utf-8"))
+# ============================================================================ the recorded bytes of this version
+# Recorded once when this version began (see "about" in the file): the code must go on writing the same bytes.
+WIRE_BYTES = json.loads((Path(__file__).parent / "data" / "wire_bytes_v2.json").read_text(encoding="utf-8"))
 
 
 def le_i32(*values: int) -> bytes:
@@ -261,24 +260,25 @@ def le_f32(*values: float) -> bytes:
 
 
 def test_the_recorded_bytes_cover_every_message_type_of_this_version() -> None:
-    assert WIRE_BYTES_V1["protocol_version"] == PROTOCOL_VERSION
-    assert sorted(WIRE_BYTES_V1["every_field"]) == sorted(WIRE_BYTES_V1["required_only"]) == MESSAGE_NAMES
+    assert WIRE_BYTES["protocol_version"] == PROTOCOL_VERSION
+    assert sorted(WIRE_BYTES["every_field"]) == sorted(WIRE_BYTES["required_only"]) == MESSAGE_NAMES
 
 
 @pytest.mark.parametrize("name", MESSAGE_NAMES)
 def test_every_message_type_encodes_to_the_recorded_bytes_and_decodes_them(name: str) -> None:
     cls = protocol.MESSAGE_TYPES[name]
-    for kind, msg in (("every_field", example_message(cls, v1_only=True)),
-                      ("required_only", required_fields_only(cls, v1_only=True))):
-        recorded = bytes.fromhex(WIRE_BYTES_V1[kind][name])
+    for kind, msg in (("every_field", example_message(cls, recorded_only=True)),
+                      ("required_only", required_fields_only(cls, recorded_only=True))):
+        recorded = bytes.fromhex(WIRE_BYTES[kind][name])
 
-        assert encode(msg) == recorded, f"{name} ({kind}) no longer encodes to the bytes of protocol version 1"
+        assert encode(msg) == recorded, \
+            f"{name} ({kind}) no longer encodes to the recorded bytes of protocol version {PROTOCOL_VERSION}"
         assert_same_message(decode(recorded), msg, f"{name} ({kind})")
 
 
 def test_a_ping_is_eight_bytes_of_msgpack() -> None:
-    assert encode(Ping(7)) == b"\x93\x01\xa4Ping\x07"  # fixarray of 3: version 1, fixstr "Ping", nonce 7
-    assert encode(Ping()) == b"\x92\x01\xa4Ping"  # the nonce at its default is left off
+    assert encode(Ping(7)) == b"\x93\x02\xa4Ping\x07"  # fixarray of 3: version 2, fixstr "Ping", nonce 7
+    assert encode(Ping()) == b"\x92\x02\xa4Ping"  # the nonce at its default is left off
 
 
 def test_a_step_plan_is_the_array_of_its_fields_up_to_the_last_one_set() -> None:
@@ -582,7 +582,7 @@ def test_the_compiled_checks_accept_and_refuse_exactly_what_the_field_by_field_c
     except Exception:  # not msgpack any more: neither decoder gets to the fields
         return
     if not (isinstance(head, list) and len(head) >= 2 and head[0] == protocol.PROTOCOL_VERSION
-            and head[1] in protocol.MESSAGE_TYPES):
+            and isinstance(head[1], str) and head[1] in protocol.MESSAGE_TYPES):
         return
     fast, slow = outcome(decode, corrupted), outcome(decode_field_by_field, corrupted)
     assert fast[0] == slow[0]
@@ -607,17 +607,41 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def test_a_wrong_value_deep_in_an_outputs_logprobs_is_named_by_its_path() -> None:
+def test_a_wrong_value_in_an_outputs_logprob_columns_is_named_by_its_field() -> None:
     top = [TopLogprob(j, -0.5, "abc") for j in range(5)]
     lps = [PositionLogprobs(i, -1.5, 2, "tok", list(top)) for i in range(4)]
     msg = RequestOutputs([RequestOutput("r1", "x", [1, 2, 3, 4], True, "length", logprobs=lps)])
-    obj = msgpack.unpackb(encode(msg), raw=False, strict_map_key=False)
     assert decode(encode(msg)) == msg
     fields = [f.name for f in dataclasses.fields(RequestOutput)]
-    obj[2][0][fields.index("logprobs")][3][4][2][1] = "bad"
-    path = r"RequestOutputs\.outputs\[0\]\.logprobs\[3\]\.top\[2\]\.logprob"
-    with pytest.raises(ProtocolError, match=rf"^{path}: expected a number"):
-        decode(msgpack.packb(obj, use_bin_type=True))
+    path = r"RequestOutputs\.outputs\[0\]\.logprobs"
+    for column, value, why in ((6, ["tok"] * 4 + ["abc"] * 19 + [7], "expected 24 decoded tokens"),
+                               (5, le_f32(*[-0.5] * 19), "the logprob columns differ in length"),
+                               (3, le_i32(5, 5, 5, 6), "num_top does not add up"),
+                               (1, "not bytes", "expected int32 / float32 bytes")):
+        obj = msgpack.unpackb(encode(msg), raw=False, strict_map_key=False)
+        obj[2][0][fields.index("logprobs")][column] = value
+        with pytest.raises(ProtocolError, match=rf"^{path}: {why}"):
+            decode(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_logprob_columns_travel_as_the_position_list_they_hold() -> None:
+    cols = LogprobColumns()
+    cols.append(5, -0.25, 1, "a", [5, 9], [-0.25, -2.0], ["a", "b"])
+    cols.append(7, -3.0, 4, "c", [], [], [])
+    cols.append(8, float("-inf"), 151936, "d", [1, 2, 3], [-0.5, -1.0, -1.5], ["x", "y", "z"])
+    expected = [PositionLogprobs(5, -0.25, 1, "a", [TopLogprob(5, -0.25, "a"), TopLogprob(9, -2.0, "b")]),
+                PositionLogprobs(7, -3.0, 4, "c", []),
+                PositionLogprobs(8, float("-inf"), 151936, "d",
+                                 [TopLogprob(1, -0.5, "x"), TopLogprob(2, -1.0, "y"), TopLogprob(3, -1.5, "z")])]
+
+    assert cols.positions() == expected and LogprobColumns.of(expected).positions() == expected
+    assert cols.since(1).positions() == expected[1:] and cols.since(3).positions() == []
+    sample = SampleOutput(0, "acd", [5, 7, 8], logprobs=cols)
+    as_columns = decode(encode(RequestOutputs([RequestOutput("r", samples=[sample])])))
+    as_list = decode(encode(RequestOutputs([RequestOutput("r", samples=[SampleOutput(0, "acd", [5, 7, 8],
+                                                                                      logprobs=expected)])])))
+    assert as_columns == as_list and as_columns.outputs[0].samples[0].logprobs == expected
+    assert decode(encode(RequestOutputs([RequestOutput("r", logprobs=[])]))).outputs[0].logprobs == []
 
 
 # ============================================================================ step plan size

@@ -72,8 +72,10 @@ then incomplete (`StepResult.grammar_incomplete_seq_ids`), and the flag travels 
 Logprobs (`Logprobs`, CSR over rows, only for the requests that asked; nothing, not even a field, for the
 others): a sampled position costs 20 + 8 * N bytes (row index, position count, top count, logprob and
 rank: 4 bytes each; each of the top N: int32 id + float32 logprob), both in `StepResult` and in
-`StepOutputs`; a prompt position costs 8 + 8 * N, plus 12 per row per step. The frontend turns them into
-`PositionLogprobs`, with each token's text, for the client.
+`StepOutputs`; a prompt position costs 8 + 8 * N, plus 12 per row per step. The frontend adds each token's
+text and sends an output's logprobs to its client as columns (`LogprobColumns`: int32 / float32 bin and one
+list of texts, since protocol version 2); the client decodes them into the `PositionLogprobs` list of
+`RequestOutput.logprobs`. Prompt logprobs, sent once per request, travel as `PositionLogprobs` structs.
 
 Errors: `decode` raises `ProtocolError` for anything malformed (not msgpack, wrong version, unknown type,
 missing or mistyped field); receivers answer it or log it and keep serving.
@@ -96,6 +98,7 @@ from common.protocol.client import (
     GetEngineInfo,
     GetEngineStats,
     Histogram,
+    LogprobColumns,
     Ping,
     Pong,
     PositionLogprobs,
@@ -157,7 +160,7 @@ __all__ = [
     # client
     "ERROR_ENGINE_DOWN", "ERROR_INVALID_REQUEST", "ERROR_OVERLOADED", "MAX_REQUEST_ID_CHARS", "MIN_MAX_MESSAGE_BYTES",
     "NOT_RUN", "Abort", "Detokenize", "DetokenizeResult", "EngineInfo", "EngineStats", "ErrorReply", "GenerateRequest",
-    "GetEngineInfo", "GetEngineStats", "Histogram", "Ping", "Pong", "PositionLogprobs", "RequestOutput",
+    "GetEngineInfo", "GetEngineStats", "Histogram", "LogprobColumns", "Ping", "Pong", "PositionLogprobs", "RequestOutput",
     "RequestOutputs", "SampleOutput", "Submit", "Tokenize", "TokenizeResult", "TopLogprob",
     # scheduler
     "AbortSeqs", "AddRequests", "EngineRequest", "FinishedSeq", "StepOutputs",

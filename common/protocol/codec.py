@@ -25,7 +25,7 @@ import numpy as np
 
 from common.errors import quote
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: an output's logprobs travel as columns (common.protocol.client.LogprobColumns)
 
 
 class ProtocolError(ValueError):
@@ -77,6 +77,12 @@ EMPTY_F32.setflags(write=False)
 
 MESSAGE_TYPES: dict[str, type] = {}  # type name -> message class, every message of every socket
 _HINTS: dict[type, list[tuple[str, Any]]] = {}
+# Field types with a wire form of their own (`wire_form`): hint -> (to wire, from wire), and the extra Python
+# types that their `to_wire` accepts (so `wire_error` lets them through).
+_FORMS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any, str], Any]]] = {}
+_FORM_TYPES: set[type] = set()
+# Per struct, each field's encoder when its hint (or the hint inside `X | None`) has a wire form of its own.
+_FIELD_FORMS: dict[type, list[Callable[[Any], Any] | None]] = {}
 _NO_DEFAULT = object()
 # Per struct, each field's default (or _NO_DEFAULT): trailing fields at their defaults are left off the wire.
 _DEFAULTS: dict[type, list[Any]] = {}
@@ -99,7 +105,29 @@ def wire_struct(cls: type) -> type:
     hints = typing.get_type_hints(cls)
     _HINTS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
     _DEFAULTS[cls] = [_field_default(f) for f in dataclasses.fields(cls)]
+    _FIELD_FORMS[cls] = [_form_encoder(hint) for _, hint in _HINTS[cls]]
     return cls
+
+
+def wire_form(hint: Any, to_wire: Callable[[Any], Any], from_wire: Callable[[Any, str], Any],
+              also_encodes: tuple[type, ...] = ()) -> None:
+    """Give the field type `hint` (e.g. ``list[PositionLogprobs]``) a wire form of its own: a field declared with
+    it, or with it inside ``X | None``, travels as `to_wire(value)` and is decoded by `from_wire(raw, where)`,
+    which raises `ProtocolError` naming `where` for a malformed value. `also_encodes`: further Python types that
+    `to_wire` takes for such a field (a producer's own accumulator). Register before the structs that use it."""
+    _FORMS[hint] = (to_wire, from_wire)
+    _FORM_TYPES.update(also_encodes)
+
+
+def _form_encoder(hint: Any) -> Callable[[Any], Any] | None:
+    if hint in _FORMS:
+        return _FORMS[hint][0]
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1 and inner[0] in _FORMS:
+            to_wire = _FORMS[inner[0]][0]
+            return lambda v: None if v is None else to_wire(v)
+    return None
 
 
 def wire_message(cls: type) -> type:
@@ -131,8 +159,9 @@ def _struct_to_wire(value: Any) -> list[Any]:
     end = len(values)
     while end and _at_default(values[end - 1], defaults[end - 1]):
         end -= 1
-    return [v if type(v) in _SCALARS else _array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
-            for v, (_, hint) in zip(values[:end], _HINTS[cls])]
+    return [v if type(v) in _SCALARS else form(v) if form is not None
+            else _array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
+            for v, (_, hint), form in zip(values[:end], _HINTS[cls], _FIELD_FORMS[cls])]
 
 
 def _array_to_wire(value: np.ndarray, hint: Any) -> bytes:
@@ -196,6 +225,8 @@ def wire_error(value: Any, where: str = "") -> str | None:
         except UnicodeEncodeError as exc:
             return (f"{where} is not valid Unicode text: it holds the lone surrogate {value[exc.start]!r} at index "
                     f"{exc.start}, which has no UTF-8 encoding")
+        return None
+    if type(value) in _FORM_TYPES:
         return None
     if type(value) in _HINTS:
         for name, _ in _HINTS[type(value)]:
@@ -274,7 +305,15 @@ def _fast_check(hint: Any) -> Callable[[Any], Any]:
         return _FAST[hint]
     origin = typing.get_origin(hint)
     check: Callable[[Any], Any]
-    if hint is Any:
+    if hint in _FORMS:
+        from_wire = _FORMS[hint][1]
+
+        def check(v: Any) -> Any:
+            try:
+                return from_wire(v, "")
+            except ProtocolError:
+                raise _Mismatch from None
+    elif hint is Any:
         def check(v: Any) -> Any:
             return v
     elif hint is Int32Array or hint is Float32Array:
@@ -362,6 +401,8 @@ def _checked_build(cls: type, values: Any, where: str) -> Any:
 
 def _check(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
+    if hint in _FORMS:
+        return _FORMS[hint][1](value, where)
     if hint is Any:
         return value
     if hint is Int32Array:
