@@ -228,6 +228,29 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     return 1 << (splits.bit_length() - 1)
 
 
+def reachable_num_splits(max_num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int) -> list[int]:
+    """Every `choose_num_splits` value a decode of 1..`max_num_seqs` sequences can pick with a block table of
+    1..`max_blocks_per_seq` columns, ascending. Each is its own compiled kernel (NUM_SPLITS and the launch
+    configuration are compile-time constants): a worker compiles them all at start-up (`compile_decode_variants`).
+    An eager step's table is only as wide as its longest sequence, so short contexts pick fewer splits than the
+    CUDA graphs (captured at the full width) ever do."""
+    return sorted({choose_num_splits(n, num_kv_heads, w, block_size)
+                   for n in range(1, max_num_seqs + 1) for w in (1, max_blocks_per_seq)}
+                  | {choose_num_splits(1, num_kv_heads, w, block_size) for w in range(1, max_blocks_per_seq + 1)})
+
+
+def compile_decode_variants(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, splits: list[int],
+                            softmax_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Launch `paged_attention_decode` once per split count in `splits` on one padding row (seq_len 0: it reads
+    and writes no cache entry), so that each variant is compiled before serving: a compile mid-run holds a step
+    0.3-2 s. `q`: `[1, num_q_heads, head_dim]` like the engine's (its dtype and layout); the caches: a layer's."""
+    block_tables = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+    seq_lens = torch.zeros(1, dtype=torch.int32, device=q.device)
+    for num_splits in splits:
+        paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, num_splits=num_splits,
+                               k_scale=k_scale, v_scale=v_scale)
+
+
 def _decode_launch_config(head_dim: int, cache_dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages), tuned on an H200 (`benchmarks/kernel_bench.py sweep`).
 

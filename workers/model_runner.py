@@ -214,6 +214,22 @@ class ModelRunner:
             self.sampling.fused.compile_kernels(self.config.max_num_seqs, logits.dtype)
         torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
+    def compile_attention(self) -> None:
+        """Compile, on CUDA with the Triton backend, each split-KV decode kernel a step can pick, now: the CUDA
+        graphs compile only the split counts of their full-width block tables, and an eager decode step of short
+        sequences picked another one mid-run (issue 33: "_paged_decode_kernel num_stages=4" at max_num_seqs 100)."""
+        if self.device.type != "cuda" or self.backend.name != "triton" or self.kv_cache is None:
+            return
+        from gpu_kernels.paged_decode import compile_decode_variants, reachable_num_splits
+
+        layer = self.attn_layers[0]
+        splits = reachable_num_splits(self.config.max_num_seqs, layer.num_kv_heads, self.batch.block_table.shape[1],
+                                      self.block_size)
+        q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=self.dtype, device=self.device)
+        compile_decode_variants(q, layer.k_cache, layer.v_cache, splits, layer.scale, layer.k_scale, layer.v_scale)
+        torch.cuda.synchronize(self.device)
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> PendingStep | None:

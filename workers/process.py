@@ -104,6 +104,7 @@ class WorkerProcess:
             r.allocate_kv_cache(msg.num_kv_blocks)
             r.capture_cuda_graphs()
             r.compile_sampling()
+            r.compile_attention()
         self.compile_watch.install()
         ipc.send(self.results, KVCacheReady(self.rank, {"graphs": len(r.cuda_graphs.graphs)}))
         ipc.send(self.control, ProcessReady(f"worker-tp{self.rank}", {"device": r.device_name(),

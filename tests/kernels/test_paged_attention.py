@@ -25,6 +25,8 @@ from gpu_kernels import (  # noqa: E402
     paged_prefill,
     store_kvcache,
 )
+from gpu_kernels import paged_decode  # noqa: E402
+from gpu_kernels.paged_decode import compile_decode_variants, reachable_num_splits  # noqa: E402
 
 # Unused block-table entries cycle through these; SPARE means "an unused, NaN-filled block".
 SPARE = "spare"
@@ -372,3 +374,34 @@ def test_attention_rejects_inconsistent_arguments() -> None:
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_attention_prefill(q, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 1]), seq_lens,
                                 1, 0.1)
+
+
+@pytest.mark.parametrize(("max_num_seqs", "num_kv_heads", "max_blocks", "block_size"),
+                         [(100, 8, 256, 16), (256, 8, 2560, 16), (8, 2, 3, 16), (1, 1, 1, 16), (64, 4, 40, 256)])
+def test_the_warm_up_list_holds_every_split_count_a_step_can_pick(max_num_seqs: int, num_kv_heads: int,
+                                                                  max_blocks: int, block_size: int) -> None:
+    picked = {choose_num_splits(n, num_kv_heads, w, block_size)
+              for n in range(1, max_num_seqs + 1) for w in range(1, max_blocks + 1)}
+
+    assert reachable_num_splits(max_num_seqs, num_kv_heads, max_blocks, block_size) == sorted(picked)
+
+
+def test_the_decode_warm_up_runs_every_variant_on_a_padding_row_and_writes_no_cache_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    k_cache = torch.randn(4, 16, 2, 32)
+    v_cache = torch.randn(4, 16, 2, 32)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    calls: list[int] = []
+    original = paged_decode.paged_attention_decode
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs["num_splits"])
+        out = original(*args, **kwargs)
+        assert not out.any()  # a padding row's output is zero
+        return out
+
+    monkeypatch.setattr(paged_decode, "paged_attention_decode", recording)
+    compile_decode_variants(torch.randn(1, 4, 32), k_cache, v_cache, [1, 2, 4], 0.125)
+
+    assert calls == [1, 2, 4]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
