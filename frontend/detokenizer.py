@@ -61,7 +61,7 @@ class _TokenBytes:
 _TABLES: dict[int, _TokenBytes] = {}
 
 
-def _token_bytes(tokenizer: Any) -> _TokenBytes | None:
+def token_bytes_table(tokenizer: Any) -> _TokenBytes | None:
     """The byte table of a byte-level tokenizer, or None for any other kind."""
     backend = tokenizer.backend_tokenizer
     if type(backend.decoder).__name__ != "ByteLevel":
@@ -77,7 +77,7 @@ class IncrementalDetokenizer:
         """`tokenizer`: a transformers fast tokenizer; `prompt_token_ids`: the request's prompt."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._bytes = _token_bytes(tokenizer)
+        self._bytes = token_bytes_table(tokenizer)
         self.text = ""  # everything emitted so far
         self.token_ids: list[int] = []
         if self._bytes is not None:

@@ -27,21 +27,47 @@ import numpy as np
 
 from common.protocol import LogprobColumns, Logprobs, PositionLogprobs, SampleOutput, TopLogprob
 from common.sampling_params import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, token_bytes_table
 
 
 class TokenTexts:
-    """`tokenizer.decode([token_id])` of each token id, cached: the `decoded_token` of logprobs entries."""
+    """`tokenizer.decode([token_id])` of each token id, cached: the `decoded_token` of logprobs entries; and the
+    raw bytes of the tokens whose text cannot hold them (`TopLogprob.token_bytes`)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.raw_cache: dict[int, bytes | None] = {}
+        self._bytes = token_bytes_table(tokenizer)
 
     def __call__(self, token_id: int) -> str:
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def raw(self, token_id: int) -> bytes | None:
+        """The token's bytes when they are not valid UTF-8 (a piece of a character: its text shows U+FFFD), for a
+        byte-level tokenizer; else None."""
+        if token_id in self.raw_cache:
+            return self.raw_cache[token_id]
+        data = self._bytes(token_id, False) if self._bytes is not None else b""
+        try:
+            data.decode("utf-8")
+            found = None
+        except UnicodeDecodeError:
+            found = data
+        self.raw_cache[token_id] = found
+        return found
+
+    def raw_of(self, token_id: int, top_ids: list[int], top_texts: list[str], text: str) -> dict[int, bytes] | None:
+        """`LogprobColumns.append`'s `raw` for one position (only tokens whose text shows U+FFFD are looked at)."""
+        if "\ufffd" not in text and not any("\ufffd" in t for t in top_texts):
+            return None
+        raw = {i: b for i, (t, x) in enumerate(zip(top_ids, top_texts)) if "\ufffd" in x and (b := self.raw(t))}
+        if "\ufffd" in text and (b := self.raw(token_id)):
+            raw[-1] = b
+        return raw
 
 
 def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
@@ -72,8 +98,13 @@ def iter_positions(lp: Logprobs) -> Iterator[tuple[int, float, int, list[int], l
 
 def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float],
                       texts: TokenTexts) -> PositionLogprobs:
-    return PositionLogprobs(token_id, logprob, rank, texts(token_id),
-                            [TopLogprob(i, v, texts(i)) for i, v in zip(top_ids, top_lps)])
+    def raw(i: int, text: str) -> bytes | None:
+        return texts.raw(i) if "\ufffd" in text else None
+
+    text = texts(token_id)
+    return PositionLogprobs(token_id, logprob, rank, text,
+                            [TopLogprob(i, v, t, raw(i, t)) for i, v in zip(top_ids, top_lps) for t in (texts(i),)],
+                            raw(token_id, text))
 
 
 class SampleState:
@@ -181,8 +212,9 @@ def prompt_logprobs_of(lp: Logprobs, prompt_by_seq: dict[int, tuple[list[int], l
             received.append(position_logprobs(prompt[position], logprob, rank, top_ids, top_lps, texts))
 
 
-# The logprobs of one sampled token: its logprob, rank and text, and its top entries' ids, logprobs and texts.
-SampledLogprobs = tuple[float, int, str, list[int], list[float], list[str]]
+# The logprobs of one sampled token: its logprob, rank and text, its top entries' ids, logprobs and texts, and the
+# bytes of those whose text cannot hold them (`LogprobColumns.append`'s `raw`).
+SampledLogprobs = tuple[float, int, str, list[int], list[float], list[str], dict[int, bytes] | None]
 
 
 def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTexts) -> dict[int, SampledLogprobs]:
@@ -191,5 +223,8 @@ def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTex
     if lp is None:
         return {}
     ids = token_ids.tolist()
-    return {row: (logprob, rank, texts(ids[row]), top_ids, top_lps, [texts(i) for i in top_ids])
-            for row, logprob, rank, top_ids, top_lps in iter_positions(lp)}
+    out: dict[int, SampledLogprobs] = {}
+    for row, logprob, rank, top_ids, top_lps in iter_positions(lp):
+        text, top_texts = texts(ids[row]), [texts(i) for i in top_ids]
+        out[row] = (logprob, rank, text, top_ids, top_lps, top_texts, texts.raw_of(ids[row], top_ids, top_texts, text))
+    return out

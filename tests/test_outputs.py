@@ -172,3 +172,31 @@ def test_streamed_deltas_add_up_to_the_final_text_with_stop_strings_held_back(to
         assert "".join(deltas) == sample.text
         expected = min((text.index(s) for s in stops if s in text), default=len(text))
         assert sample.text == text[:expected]
+
+
+def test_logprobs_carry_the_bytes_of_tokens_that_hold_a_piece_of_a_character(tokenizer: Any) -> None:
+    """A fresh user's trial: every emoji piece came back as token '\ufffd' with bytes [239, 191, 189] (U+FFFD's), so
+    the bytes of the tokens could not be joined back into the text. Each piece now carries its own bytes, through
+    the wire and into OpenAI's `bytes` field."""
+    from common.protocol import Logprobs, RequestOutput, RequestOutputs, decode, encode, f32, i32
+    from frontend.openai.responses import chat_logprobs
+    from frontend.outputs import TokenTexts, sampled_logprobs
+
+    text = "𝔘𝔫𝔦 🦜🪿 ᚠᛇᚻ"
+    ids = tokenizer(text)["input_ids"]
+    pieces = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert pieces, "the test text must split a character across tokens"
+    texts = TokenTexts(tokenizer)
+    top = [ids[0], pieces[0], 11]  # a whole token, a piece, another whole one
+    sample = SampleState(0, tokenizer, [1], SamplingParams(logprobs=3))
+    for step, token in enumerate(ids):
+        lp = Logprobs(i32([0]), i32([1]), i32([3]), f32([-0.5]), i32([1]), i32(top), f32([-0.5, -1.0, -2.0]))
+        sample.add(token, sampled_logprobs(lp, i32([token]), texts)[0], stop_token=False)
+    out = decode(encode(RequestOutputs([RequestOutput("r", logprobs=sample.take(stream=False).logprobs)])))
+    entries = chat_logprobs(out.outputs[0].logprobs)["content"]
+
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == text
+    assert [e["token"] for e in entries] == [tokenizer.decode([i]) for i in ids]
+    assert [e["top_logprobs"][1]["bytes"] for e in entries] == [list(texts.raw(pieces[0]))] * len(ids)
+    assert entries[0]["top_logprobs"][2]["bytes"] == list(tokenizer.decode([11]).encode())
+    assert texts.raw(11) is None and texts.raw(pieces[0]) is not None

@@ -95,6 +95,8 @@ def example_value(hint: Any, salt: int, recorded_only: bool = False) -> Any:
         return 0.5 + salt
     if hint is str:
         return f"value-{salt}-价格-👍🏽"
+    if hint is bytes:
+        return bytes([0xF0, 0x9F, salt % 256])  # a piece of a UTF-8 character
     if hint is Any:
         return {"any": [salt]}
     raise AssertionError(f"no example for field type {hint!r}: extend example_value")

@@ -101,6 +101,9 @@ class TopLogprob:
     token_id: int
     logprob: float  # natural log of its probability
     decoded_token: str  # tokenizer.decode([token_id])
+    # The token's bytes when `decoded_token` does not hold them: a piece of a UTF-8 character, which decodes to
+    # U+FFFD (byte-level tokenizers); None otherwise (the bytes are decoded_token's UTF-8).
+    token_bytes: bytes | None = None
 
 
 @wire_struct
@@ -112,6 +115,7 @@ class PositionLogprobs:
     rank: int  # 1 = the most likely token of the distribution
     decoded_token: str  # tokenizer.decode([token_id])
     top: list[TopLogprob] = field(default_factory=list)  # the top-N, most likely first
+    token_bytes: bytes | None = None  # as TopLogprob.token_bytes
 
 
 class LogprobColumns:
@@ -123,14 +127,15 @@ class LogprobColumns:
     as its own msgpack array, cost the frontend 2.4 ms per step at 256 rows with 5 top logprobs and 11 ms to send
     one finished request of 1,000 positions (benchmarks/throughput.py --filtered, where the frontend was the bound).
 
-    Wire form (protocol version 2): ``[token_ids, logprobs, ranks, num_top, top_token_ids, top_logprobs, texts]``:
-    int32 / float32 bin columns of P positions and of their T = sum(num_top) top entries (most likely first,
-    position by position), then the P decoded tokens followed by the T decoded top tokens. Logprobs travel as
-    float32 (the engine computes them in float32).
+    Wire form (protocol version 2): ``[token_ids, logprobs, ranks, num_top, top_token_ids, top_logprobs, texts,
+    raw]``: int32 / float32 bin columns of P positions and of their T = sum(num_top) top entries (most likely
+    first, position by position), then the P decoded tokens followed by the T decoded top tokens, then a map from
+    an index into those texts to the token's bytes, for the few tokens whose text does not hold them
+    (`TopLogprob.token_bytes`). Logprobs travel as float32 (the engine computes them in float32).
     """
 
     __slots__ = ("token_ids", "logprobs", "ranks", "decoded", "num_top", "top_start", "top_token_ids",
-                 "top_logprobs", "top_decoded")
+                 "top_logprobs", "top_decoded", "raw", "top_raw")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -142,13 +147,22 @@ class LogprobColumns:
         self.top_token_ids: list[int] = []
         self.top_logprobs: list[float] = []
         self.top_decoded: list[str] = []
+        self.raw: dict[int, bytes] = {}  # position index -> its token's bytes (see TopLogprob.token_bytes)
+        self.top_raw: dict[int, bytes] = {}  # top entry index -> likewise
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def append(self, token_id: int, logprob: float, rank: int, decoded: str, top_ids: list[int],
-               top_logprobs: list[float], top_decoded: list[str]) -> None:
-        """Add one position: its token, that token's logprob, rank and text, and its top entries."""
+               top_logprobs: list[float], top_decoded: list[str], raw: dict[int, bytes] | None = None) -> None:
+        """Add one position: its token, that token's logprob, rank and text, and its top entries. `raw`: the bytes
+        of the tokens whose text does not hold them, by index (-1: the position's token, i >= 0: top entry i)."""
+        if raw:
+            for i, data in raw.items():
+                if i < 0:
+                    self.raw[len(self.token_ids)] = data
+                else:
+                    self.top_raw[len(self.top_token_ids) + i] = data
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.ranks.append(rank)
@@ -168,6 +182,8 @@ class LogprobColumns:
         out.top_start = [x - t for x in self.top_start[start:]]
         out.top_token_ids, out.top_logprobs = self.top_token_ids[t:], self.top_logprobs[t:]
         out.top_decoded = self.top_decoded[t:]
+        out.raw = {i - start: b for i, b in self.raw.items() if i >= start}
+        out.top_raw = {i - t: b for i, b in self.top_raw.items() if i >= t}
         return out
 
     @classmethod
@@ -175,28 +191,37 @@ class LogprobColumns:
         """The columns of a list of `PositionLogprobs`."""
         out = cls()
         for p in positions:
+            raw = {i: e.token_bytes for i, e in enumerate(p.top) if e.token_bytes is not None}
+            if p.token_bytes is not None:
+                raw[-1] = p.token_bytes
             out.append(p.token_id, p.logprob, p.rank, p.decoded_token, [e.token_id for e in p.top],
-                       [e.logprob for e in p.top], [e.decoded_token for e in p.top])
+                       [e.logprob for e in p.top], [e.decoded_token for e in p.top], raw)
         return out
 
     def positions(self) -> list[PositionLogprobs]:
         """The `PositionLogprobs` of every position, in order."""
         tops = [TopLogprob(*e) for e in zip(self.top_token_ids, self.top_logprobs, self.top_decoded)]
-        return [PositionLogprobs(token_id, logprob, rank, decoded, tops[t: t + k])
-                for token_id, logprob, rank, decoded, t, k in zip(self.token_ids, self.logprobs, self.ranks,
-                                                                  self.decoded, self.top_start, self.num_top)]
+        for i, data in self.top_raw.items():
+            tops[i].token_bytes = data
+        out = [PositionLogprobs(token_id, logprob, rank, decoded, tops[t: t + k])
+               for token_id, logprob, rank, decoded, t, k in zip(self.token_ids, self.logprobs, self.ranks,
+                                                                 self.decoded, self.top_start, self.num_top)]
+        for i, data in self.raw.items():
+            out[i].token_bytes = data
+        return out
 
     def to_wire(self) -> list[Any]:
         return [i32(self.token_ids).tobytes(), f32(self.logprobs).tobytes(), i32(self.ranks).tobytes(),
                 i32(self.num_top).tobytes(), i32(self.top_token_ids).tobytes(), f32(self.top_logprobs).tobytes(),
-                self.decoded + self.top_decoded]
+                self.decoded + self.top_decoded,
+                {**self.raw, **{len(self.token_ids) + i: b for i, b in self.top_raw.items()}}]
 
     @classmethod
     def from_wire(cls, raw: Any, where: str) -> LogprobColumns:
         """Raises `ProtocolError` naming `where` for anything but the wire form above."""
-        if type(raw) is not list or len(raw) != 7:
-            raise ProtocolError(f"{where}: expected logprob columns (an array of 7)")
-        *columns, texts = raw
+        if type(raw) is not list or len(raw) != 8:
+            raise ProtocolError(f"{where}: expected logprob columns (an array of 8)")
+        *columns, texts, token_bytes = raw
         if any(type(c) is not bytes or len(c) % 4 for c in columns):
             raise ProtocolError(f"{where}: expected int32 / float32 bytes in the logprob columns")
         token_ids, logprobs, ranks, num_top, top_ids, top_lps = (
@@ -208,12 +233,17 @@ class LogprobColumns:
             raise ProtocolError(f"{where}: num_top does not add up to the top entries")
         if type(texts) is not list or len(texts) != p + t or not all(type(x) is str for x in texts):
             raise ProtocolError(f"{where}: expected {p + t} decoded tokens")
+        if type(token_bytes) is not dict or not all(type(i) is int and 0 <= i < p + t and type(b) is bytes
+                                                    for i, b in token_bytes.items()):
+            raise ProtocolError(f"{where}: expected a map from a decoded token's index to its bytes")
         out = cls()
         out.token_ids, out.logprobs, out.ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
         out.num_top = num_top.tolist()
         out.top_start = (np.cumsum(num_top) - num_top).tolist()
         out.top_token_ids, out.top_logprobs = top_ids.tolist(), top_lps.tolist()
         out.decoded, out.top_decoded = texts[:p], texts[p:]
+        out.raw = {i: b for i, b in token_bytes.items() if i < p}
+        out.top_raw = {i - p: b for i, b in token_bytes.items() if i >= p}
         return out
 
 

@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from common.protocol import PositionLogprobs, RequestOutput, SampleOutput
+from common.protocol import PositionLogprobs, RequestOutput, SampleOutput, TopLogprob
 from frontend.chat_output import AssistantMessage, ChatOutputReader
 
 LOGPROB_FLOOR = -9999.0
@@ -46,14 +46,16 @@ def logprob_value(logprob: float) -> float:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def _token_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+def _token_entry(entry: PositionLogprobs | TopLogprob) -> dict[str, Any]:
+    """OpenAI's `{token, logprob, bytes}`: `bytes` are the token's own, also for a piece of a character (whose
+    `token` text shows U+FFFD), so that a client can join the pieces back into the character."""
+    data = entry.token_bytes if entry.token_bytes is not None else entry.decoded_token.encode("utf-8", "replace")
+    return {"token": entry.decoded_token, "logprob": logprob_value(entry.logprob), "bytes": list(data)}
 
 
 def chat_logprobs(entries: list[PositionLogprobs]) -> dict[str, Any]:
     """OpenAI's chat `logprobs` object for these output tokens."""
-    return {"content": [{**_token_entry(e.decoded_token, e.logprob),
-                         "top_logprobs": [_token_entry(t.decoded_token, t.logprob) for t in e.top]} for e in entries],
+    return {"content": [{**_token_entry(e), "top_logprobs": [_token_entry(t) for t in e.top]} for e in entries],
             "refusal": None}
 
 
