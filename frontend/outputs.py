@@ -60,14 +60,17 @@ class TokenTexts:
         self.raw_cache[token_id] = found
         return found
 
+    def raw_if_split(self, token_id: int, text: str) -> bytes | None:
+        """`raw(token_id)` for a token whose text `text` shows U+FFFD (only those can be a piece of a character);
+        None for any other."""
+        return self.raw(token_id) if "\ufffd" in text else None
+
     def raw_of(self, token_id: int, top_ids: list[int], top_texts: list[str], text: str) -> dict[int, bytes] | None:
-        """`LogprobColumns.append`'s `raw` for one position (only tokens whose text shows U+FFFD are looked at)."""
-        if "\ufffd" not in text and not any("\ufffd" in t for t in top_texts):
-            return None
-        raw = {i: b for i, (t, x) in enumerate(zip(top_ids, top_texts)) if "\ufffd" in x and (b := self.raw(t))}
-        if "\ufffd" in text and (b := self.raw(token_id)):
+        """`LogprobColumns.append`'s `raw` for one position: -1 for its token, i for top entry i; None if none."""
+        raw = {i: b for i, (t, x) in enumerate(zip(top_ids, top_texts)) if (b := self.raw_if_split(t, x))}
+        if b := self.raw_if_split(token_id, text):
             raw[-1] = b
-        return raw
+        return raw or None
 
 
 def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
@@ -98,13 +101,11 @@ def iter_positions(lp: Logprobs) -> Iterator[tuple[int, float, int, list[int], l
 
 def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float],
                       texts: TokenTexts) -> PositionLogprobs:
-    def raw(i: int, text: str) -> bytes | None:
-        return texts.raw(i) if "\ufffd" in text else None
-
     text = texts(token_id)
     return PositionLogprobs(token_id, logprob, rank, text,
-                            [TopLogprob(i, v, t, raw(i, t)) for i, v in zip(top_ids, top_lps) for t in (texts(i),)],
-                            raw(token_id, text))
+                            [TopLogprob(i, v, t, texts.raw_if_split(i, t)) for i, v in zip(top_ids, top_lps)
+                             for t in (texts(i),)],
+                            texts.raw_if_split(token_id, text))
 
 
 class SampleState:
