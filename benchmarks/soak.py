@@ -146,6 +146,9 @@ def rss_line(label: str, rss: dict[str, int]) -> str:
     return f"{label:>12} | " + " | ".join(f"{name} {rss[name] / 2**20:8.1f} MiB" for name in sorted(rss))
 
 
+MIN_SETTLE_S = 2.5  # s: two of the engine processes' 1-second ticks and some slack
+
+
 def soak(model: str, device: str = "cpu", rounds: int = 10, requests: int = 10_000, unread_rounds: int = 10,
          unread_replies: int = 300, reply_bytes: int = 1_000_000, prompt_tokens: int = 16, max_tokens: int = 8,
          settle_s: float = 3.0, fresh_prompts: bool = False, engine_kwargs: dict | None = None,
@@ -153,6 +156,10 @@ def soak(model: str, device: str = "cpu", rounds: int = 10, requests: int = 10_0
     """Run both series against a fresh engine. Returns, by kind, the RSS of each process per round: "idle" (one
     round: before any), "burst", "unread" (after the client left) and "queued" (before it left, its replies
     queued). Every burst sends the same prompts unless `fresh_prompts`. `out` prints each line as it comes."""
+    # Each process hands freed heap pages back at its once-a-second tick (common.proc.trim_heap), so a still RSS
+    # means nothing until two ticks have passed: with 1 s, the first unread round once read the frontend before
+    # its trim, still holding all 50 replies (CI, 2026-12-05).
+    settle_s = max(settle_s, MIN_SETTLE_S)
     config = EngineConfig(model=model, device=device, **(engine_kwargs or {}))
     engine = EngineProcesses(config)
     info = engine.start()
@@ -204,7 +211,7 @@ def main() -> None:
     p.add_argument("--reply-bytes", type=int, default=1_000_000)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--settle-s", type=float, default=3.0, help="RSS still for this long ends a round")
+    p.add_argument("--settle-s", type=float, default=3.0, help="RSS still for this long ends a round (at least 2.5)")
     p.add_argument("--max-growth", type=float, default=0.05, help="allowed growth from round 2 to the last")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--num-kvcache-blocks", type=int, default=None, help="the KV cache's size (default: the engine's)")

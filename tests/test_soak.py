@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import Series, soak
+from benchmarks.soak import MIN_SETTLE_S, Series, soak
 
 ROUNDS = 3
 REQUESTS = 1000
@@ -26,7 +26,7 @@ def series(tiny_qwen3: Path) -> dict[str, Series]:
     # New prompts every burst and 8192 KV blocks: the 3,000 requests' prompt blocks all stay cached, as on a fresh
     # server with a large cache, so the prefix-cache index grows by one entry a request.
     return soak(str(tiny_qwen3), rounds=ROUNDS, requests=REQUESTS, unread_rounds=ROUNDS, unread_replies=UNREAD_REPLIES,
-                reply_bytes=REPLY_BYTES, max_tokens=4, settle_s=1.0, fresh_prompts=True,
+                reply_bytes=REPLY_BYTES, max_tokens=4, settle_s=MIN_SETTLE_S, fresh_prompts=True,
                 engine_kwargs={"max_model_len": 64, "num_kvcache_blocks": 8192}, out=print)
 
 
