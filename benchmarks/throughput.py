@@ -159,9 +159,12 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
     skip = sum(1 for _ in open(worker_log)) if os.path.exists(worker_log) else 0
     cpu = EngineCPU(llm)
     cpu.start()
-    t0 = time.perf_counter()
+    t0, client_cpu0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    client_cpu = time.process_time() - client_cpu0
+    # The step log is line-buffered: its last change is the worker's last step of the run.
+    after_last_step = time.time() - os.path.getmtime(worker_log) if os.path.exists(worker_log) else None
     cpu_used = cpu.stop()
     llm.shutdown()
     assert sum(len(o["token_ids"]) for o in outputs) == total_tokens, "every request must produce max_tokens tokens"
@@ -188,6 +191,7 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
         "mix": args.mix,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_capacity_tokens": kv_capacity_tokens,
         "cpu_s": cpu_used, "scheduler_cpu_per_wall_s": cpu_used["scheduler"] / elapsed,
+        "client_cpu_s": client_cpu, "client_after_last_step_s": after_last_step,
         "kernel_compiles_mid_run": sum(s.get("compiles", 0) for s in steps),
     }
     print(f"Total: {total_tokens} tok, Time: {elapsed:.2f} s, Throughput: {total_tokens / elapsed:.0f} tok/s")
@@ -209,7 +213,8 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
     if result["kernel_compiles_mid_run"]:  # workers/compile_watch.py: each held its step for the compile
         print(f"warning: {result['kernel_compiles_mid_run']} Triton kernels compiled during the run, in steps "
               + ", ".join(str(st["step"]) for st in steps if st.get("compiles")))
-    print(f"process CPU: {format_cpu(cpu_used, elapsed)}")
+    print(f"process CPU: {format_cpu(cpu_used, elapsed)}; this client (LLM.generate) {client_cpu:.2f} s"
+          + (f", returned {after_last_step:.2f} s after the worker's last step" if after_last_step is not None else ""))
     print(f"KV cache ({args.kv_cache_dtype}): {kv_capacity_tokens} tokens")
     print(json.dumps(result))
     if args.json:

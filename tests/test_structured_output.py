@@ -9,6 +9,7 @@ import itertools
 import json
 import queue
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -316,6 +317,43 @@ def test_properties_beyond_those_a_schema_lists_are_refused_by_either_library(qw
     refused = [bool(m.accept([g], [t])) for t in ids]
     m.close()
     assert refused == [False] * (len(pieces) - 1) + [True], pieces
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar"])
+def test_a_preload_builds_the_backends_tokenizer_views_that_the_first_grammar_then_uses(qwen3_tokenizer_dir: Path,
+                                                                                        backend: str) -> None:
+    """Built on the first constrained request, the views held the GIL and stopped every other request's step for
+    up to 2 s (`StructuredOutputManager.preload`): preloaded, the first grammar compiles with them as they are."""
+    from workers.structured_output import StructuredOutputManager
+
+    reports: queue.Queue = queue.Queue()
+    m = StructuredOutputManager(str(qwen3_tokenizer_dir), 151936, [151645], 0, reports.put, threads=1,
+                                backend=backend)
+    m.preload()
+    deadline = time.monotonic() + 60
+    while m._compiler is None or (backend == "auto" and m._lltokenizer is None):
+        assert time.monotonic() < deadline, "the preload did not build the views within 60 s"
+        time.sleep(0.05)
+    views = (m._tokenizer, m._compiler, m._lltokenizer)
+    assert (m._lltokenizer is None) == (backend == "xgrammar")  # JSON goes to xgrammar there: no llguidance view
+    specs = [GrammarSpec("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})),
+             GrammarSpec("regex", "[0-9]+")]
+    assert len(compiled((m, reports), specs)) == 2
+    assert (m._tokenizer, m._compiler, m._lltokenizer) == views
+    assert reports.empty()  # the preload reports nothing: no grammar of the scheduler's was compiled
+    m.close()
+
+
+def test_a_preload_that_cannot_read_the_tokenizer_leaves_the_error_to_the_first_grammar(tmp_path: Path) -> None:
+    from workers.structured_output import StructuredOutputManager
+
+    reports: queue.Queue = queue.Queue()
+    m = StructuredOutputManager(str(tmp_path), 151936, [151645], 0, reports.put, threads=1)
+    m.preload()
+    m.compile(CompileGrammars([GrammarToCompile(1, GrammarSpec("regex", "[0-9]+"))]))
+    report = reports.get(timeout=60)
+    m.close()
+    assert report.grammar_id == 1 and "cannot be used for structured outputs" in report.error, report
 
 
 def test_strict_schema_closes_every_object_schema_but_leaves_values_and_set_choices_alone() -> None:

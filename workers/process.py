@@ -95,6 +95,8 @@ class WorkerProcess:
 
     def start(self) -> None:
         r = self.runner
+        if r.device.type == "cuda":  # built while the KV cache, the graphs and the kernels are being made
+            r.structured.preload()
         ipc.send(self.results, WorkerReady(self.rank, r.max_num_kv_blocks(), r.kv_bytes_per_block, r.device_name()))
         msg = ipc.recv(self.plans)
         if isinstance(msg, Shutdown):

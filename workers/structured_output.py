@@ -45,8 +45,9 @@ Compilation runs in one daemon thread per worker (`CompileGrammars` in, a `Gramm
 out, sent from that thread on a socket of its own), so the step loop never waits for it; xgrammar's
 compiler uses several threads inside one compilation, and releases the GIL while it works. The
 tokenizer and each library's view of it (xgrammar's `TokenizerInfo`, llguidance's `LLTokenizer`, about a
-second each for Qwen3) are made on the first grammar that needs them, in that thread: an engine that never
-sees a constrained request pays nothing. A step's masks: xgrammar's rows with its BatchGrammarMatcher, then
+second each for Qwen3) are made in that thread: on CUDA at start-up (`preload`: building them holds the GIL,
+which on the first constrained request stopped every other request's step for up to 2 s), on the CPU on the
+first grammar that needs them, so that an engine that never sees a constrained request pays nothing there. A step's masks: xgrammar's rows with its BatchGrammarMatcher, then
 llguidance's with its LLExecutor, each with `threads` threads (default_threads).
 
 Pipelining: the worker launches step N+1 before step N's tokens reach the host, but a constrained row's
@@ -107,6 +108,9 @@ MAX_JSON_WHITESPACE = 20
 WHAT_FAILS = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
               "choice": "the choices", "grammar": "the EBNF grammar"}
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+_PRELOAD = object()  # a compile-thread message: build the tokenizer views (StructuredOutputManager.preload)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -213,7 +217,7 @@ class StructuredOutputManager:
         self._executor: Any = None  # llguidance's LLExecutor
         self._bitmask: torch.Tensor | None = None  # host [rows, width] int32, grown on demand
         self._end_mask: np.ndarray | None = None  # [width] int32: only the end tokens
-        self._queue: queue.Queue[CompileGrammars | None] = queue.Queue()
+        self._queue: queue.Queue[CompileGrammars | object | None] = queue.Queue()  # or _PRELOAD
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ compilation (background thread)
@@ -221,15 +225,43 @@ class StructuredOutputManager:
         """Queue `msg`'s grammars for compilation and its forgotten ones for dropping; returns at once."""
         if not msg.grammars and not len(msg.forget_ids):
             return
+        self._put(msg)
+
+    def preload(self) -> None:
+        """Build, in the compile thread, the tokenizer views the backend's libraries need (the Hugging Face
+        tokenizer, xgrammar's `TokenizerInfo` and compiler, with backend "auto" llguidance's `LLTokenizer`) now
+        rather than on the first constrained request; returns at once.
+
+        Building them holds the GIL (on the Qwen3 vocabulary, on the CI machine: llguidance's view 1.27 s, 0.79 s
+        at a stretch; xgrammar's 0.48 s; the tokenizer 0.28 s), so built on the first constrained request they
+        stopped the step loop of every other request: a 1,951 ms prefill step in `benchmarks/throughput.py --mix
+        chat` on an H200 (2026-12-05), whose first JSON request came mid-run. The worker calls this at start-up on
+        CUDA, where that stall is 300 decode steps. A library that cannot be imported, or a tokenizer it cannot
+        read, is left for the first request that needs it to report, as without a preload."""
+        self._put(_PRELOAD)
+
+    def _put(self, msg: CompileGrammars | object) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._compile_loop, name="grammar-compiler", daemon=True)
             self._thread.start()
         self._queue.put(msg)
 
+    def _build_views(self) -> None:
+        try:
+            if self._compiler is None:
+                self._make_compiler()
+            if self.backend == "auto" and self._lltokenizer is None:
+                self._make_lltokenizer()
+        except SetupError:
+            pass
+
     def _compile_loop(self) -> None:
         # Messages are handled in order, so a grammar forgotten while this rank still compiled it (another rank
         # failed it) is dropped after it was stored, never stored after it was dropped.
         while (msg := self._queue.get()) is not None:
+            if msg is _PRELOAD:
+                self._build_views()
+                continue
             for gid in msg.forget_ids.tolist():
                 self.compiled.pop(gid, None)
             for item in msg.grammars:
