@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import pickle
 import struct
@@ -26,8 +27,8 @@ from common.protocol import (
     Float32Array,
     GenerateRequest,
     Int32Array,
-    Logprobs,
     LogprobColumns,
+    Logprobs,
     NewBlocks,
     NewRequest,
     Ping,
@@ -644,6 +645,28 @@ def test_logprob_columns_travel_as_the_position_list_they_hold() -> None:
                                                                                       logprobs=expected)])])))
     assert as_columns == as_list and as_columns.outputs[0].samples[0].logprobs == expected
     assert decode(encode(RequestOutputs([RequestOutput("r", logprobs=[])]))).outputs[0].logprobs == []
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reading_logprob_columns_pauses_the_garbage_collector_and_leaves_it_as_it_was(enabled: bool) -> None:
+    cols = LogprobColumns()
+    cols.append(5, -0.25, 1, "a", [5, 9], [-0.25, -2.0], ["a", "b"])
+    seen = []
+
+    class Watched(LogprobColumns):
+        def _positions(self) -> list[PositionLogprobs]:
+            seen.append(gc.isenabled())
+            return super()._positions()
+
+    watched = Watched()
+    for name in LogprobColumns.__slots__:
+        setattr(watched, name, getattr(cols, name))
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert watched.positions() == cols.positions() and seen == [False]
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 # ============================================================================ step plan size

@@ -47,8 +47,9 @@ compiler uses several threads inside one compilation, and releases the GIL while
 tokenizer and each library's view of it (xgrammar's `TokenizerInfo`, llguidance's `LLTokenizer`, about a
 second each for Qwen3) are made in that thread: on CUDA at start-up (`preload`: building them holds the GIL,
 which on the first constrained request stopped every other request's step for up to 2 s), on the CPU on the
-first grammar that needs them, so that an engine that never sees a constrained request pays nothing there. A step's masks: xgrammar's rows with its BatchGrammarMatcher, then
-llguidance's with its LLExecutor, each with `threads` threads (default_threads).
+first grammar that needs them, so that an engine that never sees a constrained request pays nothing there. A
+step's masks: xgrammar's rows with its BatchGrammarMatcher, then llguidance's with its LLExecutor, each with
+`threads` threads (default_threads).
 
 Pipelining: the worker launches step N+1 before step N's tokens reach the host, but a constrained row's
 mask for N+1 depends on its token from N. So when step N+1 has constrained rows, the worker launches
