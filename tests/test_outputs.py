@@ -189,7 +189,7 @@ def test_logprobs_carry_the_bytes_of_tokens_that_hold_a_piece_of_a_character(tok
     texts = TokenTexts(tokenizer)
     top = [ids[0], pieces[0], 11]  # a whole token, a piece, another whole one
     sample = SampleState(0, tokenizer, [1], SamplingParams(logprobs=3))
-    for step, token in enumerate(ids):
+    for token in ids:
         lp = Logprobs(i32([0]), i32([1]), i32([3]), f32([-0.5]), i32([1]), i32(top), f32([-0.5, -1.0, -2.0]))
         sample.add(token, sampled_logprobs(lp, i32([token]), texts)[0], stop_token=False)
     out = decode(encode(RequestOutputs([RequestOutput("r", logprobs=sample.take(stream=False).logprobs)])))

@@ -160,8 +160,8 @@ __all__ = [
     # client
     "ERROR_ENGINE_DOWN", "ERROR_INVALID_REQUEST", "ERROR_OVERLOADED", "MAX_REQUEST_ID_CHARS", "MIN_MAX_MESSAGE_BYTES",
     "NOT_RUN", "Abort", "Detokenize", "DetokenizeResult", "EngineInfo", "EngineStats", "ErrorReply", "GenerateRequest",
-    "GetEngineInfo", "GetEngineStats", "Histogram", "LogprobColumns", "Ping", "Pong", "PositionLogprobs", "RequestOutput",
-    "RequestOutputs", "SampleOutput", "Submit", "Tokenize", "TokenizeResult", "TopLogprob",
+    "GetEngineInfo", "GetEngineStats", "Histogram", "LogprobColumns", "Ping", "Pong", "PositionLogprobs",
+    "RequestOutput", "RequestOutputs", "SampleOutput", "Submit", "Tokenize", "TokenizeResult", "TopLogprob",
     # scheduler
     "AbortSeqs", "AddRequests", "EngineRequest", "FinishedSeq", "StepOutputs",
     # worker

@@ -22,10 +22,10 @@ from gpu_kernels import (  # noqa: E402
     choose_num_splits,
     paged_attention_decode,
     paged_attention_prefill,
+    paged_decode,  # noqa: E402
     paged_prefill,
     store_kvcache,
 )
-from gpu_kernels import paged_decode  # noqa: E402
 from gpu_kernels.paged_decode import compile_decode_variants, reachable_num_splits  # noqa: E402
 
 # Unused block-table entries cycle through these; SPARE means "an unused, NaN-filled block".
