@@ -669,6 +669,24 @@ def test_reading_logprob_columns_pauses_the_garbage_collector_and_leaves_it_as_i
         gc.enable()
 
 
+def test_the_dict_generate_returns_is_what_dataclasses_asdict_gives_field_for_field() -> None:
+    """`output_dict` writes asdict out for speed (3.4 s against 0.4 s for throughput.py --filtered's outputs): a
+    field added to a struct and not to it fails here."""
+    from frontend.client import output_dict
+
+    top = [TopLogprob(5, -0.25, "a"), TopLogprob(9, -2.0, "\ufffd", token_bytes=b"\xe4")]
+    positions = [PositionLogprobs(5, -0.25, 1, "a", top), PositionLogprobs(9, -2.0, 2, "\ufffd", [], b"\xe4")]
+    out = RequestOutput("r", text="a", token_ids=[5, 9], finished=True, finish_reason="stop", stop_reason=9,
+                        logprobs=positions, cumulative_logprob=-2.25, num_prompt_tokens=2,
+                        prompt_logprobs=[None, positions[0]],
+                        samples=[SampleOutput(1, "b", [7], "length", None, [], -1.0, True)])
+    got = output_dict(out)
+    assert got["outputs"] == [dataclasses.asdict(s) for s in out.outputs]
+    assert got["prompt_logprobs"] == [None, dataclasses.asdict(positions[0])]
+    assert got["outputs"][0]["token_ids"] is not out.token_ids  # a copy, as asdict's
+    assert got["outputs"][0]["logprobs"][0]["top"][1]["token_bytes"] == b"\xe4"
+
+
 # ============================================================================ step plan size
 def decode_plan(num_requests: int) -> StepPlan:
     return StepPlan(step_id=2**30, decode_seq_ids=i32(range(2**30, 2**30 + num_requests)))
