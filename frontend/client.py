@@ -96,22 +96,27 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
     {"prompt_token_ids": token ids} as those; with `allow_messages`, a list of {"role", "content"}
     dicts as `messages`.
 
-    Raises `TypeError` for anything else, bytes included (they are not token ids: decode them first).
+    Raises `TypeError` for anything else, naming the type it got (or the first item that is not a token id),
+    bytes included (they are not token ids: decode them first).
     """
     if isinstance(prompt, Mapping):
         keys = sorted(map(str, prompt))
-        if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+        if keys == ["prompt"]:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"a dict prompt's 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
             req.prompt = prompt["prompt"]
             return
-        if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], str):
-            set_prompt(req, prompt["prompt_token_ids"], allow_messages=False)
+        if keys == ["prompt_token_ids"]:
+            ids = _token_ids(prompt["prompt_token_ids"])
+            if ids is None:
+                raise TypeError(f"a dict prompt's 'prompt_token_ids' must be a sequence of integer token ids, got "
+                                f"{_not_token_ids(prompt['prompt_token_ids'])}")
+            req.prompt_token_ids = ids
             return
         hint = ("; a chat message goes in a list of them (LLM.chat, EngineClient.generate)"
                 if "role" in prompt else "")
         raise TypeError(f"a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': token ids}}; got one with keys "
                         f"{keys}{hint}")
-    if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # a numpy array or torch tensor of token ids
-        prompt = prompt.tolist()
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, (bytes, bytearray, memoryview)):
@@ -119,16 +124,37 @@ def set_prompt(req: GenerateRequest, prompt: Any, allow_messages: bool = True) -
                         f"decode it to str first")
     elif allow_messages and isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
         req.messages = [dict(m) for m in prompt]
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case, fast
-        req.prompt_token_ids = prompt
-    elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                              for t in prompt):
-        req.prompt_token_ids = [int(t) for t in prompt]
+    elif (ids := _token_ids(prompt)) is not None:
+        req.prompt_token_ids = ids
     else:
-        bad = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), prompt) \
-            if isinstance(prompt, Sequence) else prompt
-        kinds = "a str, a sequence of integer token ids" + (" or chat messages" if allow_messages else "")
-        raise TypeError(f"a prompt must be {kinds}; got {bad!r}")
+        kinds = "a str, a sequence of integer token ids or chat messages" if allow_messages else \
+            "a str or a sequence of integer token ids"
+        raise TypeError(f"a prompt must be {kinds}, got {_not_token_ids(prompt)}")
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    """`value` as a list of token ids if it is a list, tuple, numpy array or torch tensor of integers (not bools);
+    else None."""
+    if hasattr(value, "tolist") and not isinstance(value, str):  # a numpy array or torch tensor
+        value = value.tolist()
+    if isinstance(value, list) and all(type(t) is int for t in value):  # the common case, fast
+        return value
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, memoryview)) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        return [int(t) for t in value]
+    return None
+
+
+def _not_token_ids(value: Any) -> str:
+    """Why `value` is not token ids, for an error: its first item that is not an integer, or its type."""
+    kind = type(value).__name__
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        value = value.tolist()
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, memoryview)):
+        for i, t in enumerate(value):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                return f"a {kind} with {t!r:.40} ({type(t).__name__}) at index {i}"
+    return kind
 
 
 def _unsendable(req: GenerateRequest) -> str | None:

@@ -106,14 +106,31 @@ def test_vllm_dict_prompts_run_as_the_text_or_the_token_ids_they_hold(llm: LLM) 
 @pytest.mark.parametrize(("prompt", "message"), [
     ({"role": "user", "content": "hi"}, "a chat message goes in a list of them"),
     ({"prompt": "hi", "multi_modal_data": {}}, "got one with keys ['multi_modal_data', 'prompt']"),
-    ({"prompt": [1, 2]}, "{'prompt': str}"),
-    ({"prompt_token_ids": "hi"}, "{'prompt_token_ids': token ids}"),
 ])
 def test_a_dict_prompt_with_other_keys_is_refused_naming_what_one_holds(
         llm: LLM, prompt: dict, message: str) -> None:  # noqa: F811
     with pytest.raises(TypeError, match=r"^prompt 1: a dict prompt is ") as info:
         llm.generate(["fine", prompt], GREEDY4, use_tqdm=False)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("prompts", "message"), [
+    ([{"prompt": 5}], "prompt 0: a dict prompt's 'prompt' must be a str, got int"),
+    ([{"prompt": [1, 2]}], "prompt 0: a dict prompt's 'prompt' must be a str, got list"),
+    ([{"prompt_token_ids": "abc"}], "prompt 0: a dict prompt's 'prompt_token_ids' must be a sequence of integer "
+                                    "token ids, got str"),
+    ([{"prompt_token_ids": [1, "a"]}], "prompt 0: a dict prompt's 'prompt_token_ids' must be a sequence of integer "
+                                       "token ids, got a list with 'a' (str) at index 1"),
+    ([5, "a"], "prompt 0: a prompt must be a str or a sequence of integer token ids, got a list with 'a' (str) at "
+               "index 1"),
+    (["a", 5], "prompt 1: a prompt must be a str or a sequence of integer token ids, got int"),
+])
+def test_a_prompt_holding_a_value_of_the_wrong_type_is_refused_naming_the_type(
+        llm: LLM, prompts: list, message: str) -> None:  # noqa: F811
+    """`{"prompt": 5}` was refused for its keys, which were right (a fresh user's trial)."""
+    with pytest.raises(TypeError) as info:
+        llm.generate(prompts, GREEDY4, use_tqdm=False)
+    assert str(info.value) == message
 
 
 def test_get_tokenizer_encodes_a_prompt_as_the_engine_does(llm: LLM) -> None:  # noqa: F811
