@@ -83,12 +83,12 @@ class LLM:
         """Generate for every prompt; returns one dict per prompt, in order.
 
         A prompt is a text, token ids (a list or a numpy array), or vLLM's dict prompts `{"prompt": text}`
-        and `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them. Each dict has `text`,
-        `token_ids` (output ids), `finish_reason` ("stop", "length" or "error") and `stop_reason` (the stop
-        string or token id that ended it) of the first sample, `error` (why a request was rejected, else
-        None), `num_prompt_tokens`, `num_cached_tokens`, `metrics` (ttft_s, e2e_s, num_preemptions),
-        `outputs` (one dict per sample, n of them: index, text, token_ids, finish_reason, stop_reason,
-        logprobs, cumulative_logprob) and `prompt_logprobs` (None unless asked for). A rejected request
+        and `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them (`[]` returns `[]`). Each
+        dict has `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or "error") and
+        `stop_reason` (the stop string or token id that ended it) of the first sample, `error` (why a request
+        was rejected, else None), `num_prompt_tokens`, `num_cached_tokens`, `metrics` (ttft_s, e2e_s,
+        num_preemptions), `outputs` (one dict per sample, n of them: index, text, token_ids, finish_reason,
+        stop_reason, logprobs, cumulative_logprob) and `prompt_logprobs` (None unless asked for). A rejected request
         (e.g. empty, longer than max_model_len, a token id out of the vocabulary, text with a lone
         surrogate, sampling parameters out of range) fails alone; the others run. The progress bar
         (`use_tqdm`) shows the input and output tokens per second. Raises `TypeError` for prompts of the
@@ -135,7 +135,8 @@ class LLM:
         the reply also read as an assistant message (below).
 
         `messages`: one conversation (a list of {"role": str, "content": str} dicts, and OpenAI's assistant
-        messages with `tool_calls` and `role: "tool"` messages with `tool_call_id`) or a list of them.
+        messages with `tool_calls` and `role: "tool"` messages with `tool_call_id`) or a list of them; `[]` is no
+        conversations and returns `[]`, as `generate([])` does.
         `add_generation_prompt`: end with the opening of the assistant's turn (the default), so the model
         answers; `continue_final_message`: leave the last message (an assistant's) open for the model to
         continue instead; `chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False}
@@ -151,10 +152,10 @@ class LLM:
         message: `content` (the text that is neither reasoning nor a call; None when they took all of it),
         `reasoning_content` (with `reasoning_parser`: the text inside <think>...</think>, else None) and
         `tool_calls` (a list, empty without calls, of {"id", "type": "function", "function": {"name",
-        "arguments": JSON text}}). `text` stays the whole output. Raises `TypeError` for a conversation that
-        is not a list of dicts, `ValueError` when both `add_generation_prompt` and `continue_final_message`
-        are set or for tools and a tool_choice that cannot run (the message names which), and
-        `EngineDeadError` as `generate`.
+        "arguments": JSON text}}). `text` stays the whole output. Raises `TypeError` for `messages` that are
+        not a list (a str included) or a conversation that is not a list of dicts, `ValueError` when both
+        `add_generation_prompt` and `continue_final_message` are set or for tools and a tool_choice that cannot
+        run (the message names which), and `EngineDeadError` as `generate`.
         """
         self.engine.check()
         if tool_choice is None and tools:
@@ -172,6 +173,10 @@ class LLM:
                              "add_generation_prompt=False)")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts (one conversation) or "
+                            f"a list of such lists, got {type(messages).__name__}"
+                            + ("; a text prompt goes to generate" if isinstance(messages, str) else ""))
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         requests = []
         for i, conversation in enumerate(conversations):

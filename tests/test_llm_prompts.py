@@ -180,6 +180,22 @@ def test_chat_refuses_contradicting_options_and_conversations_that_are_not_lists
         llm.chat([[]], GREEDY4)
 
 
+@pytest.mark.parametrize(("messages", "got"), [("hello", "str; a text prompt goes to generate"),
+                                             ({"role": "user", "content": "hi"}, "dict"), (None, "NoneType")])
+def test_chat_refuses_messages_that_are_not_a_list_naming_what_it_got(
+        llm: LLM, messages: object, got: str) -> None:  # noqa: F811
+    """`chat("hello")` iterated the string and named its first character, 'h' (a fresh user's trial)."""
+    with pytest.raises(TypeError) as info:
+        llm.chat(messages, GREEDY4, use_tqdm=False)
+    assert str(info.value) == ("messages must be a list of {'role': ..., 'content': ...} dicts (one conversation) or "
+                               f"a list of such lists, got {got}")
+
+
+def test_an_empty_list_of_prompts_or_of_conversations_returns_an_empty_list(llm: LLM) -> None:  # noqa: F811
+    assert llm.generate([], GREEDY4, use_tqdm=False) == []
+    assert llm.chat([], GREEDY4, use_tqdm=False) == []
+
+
 def test_a_chat_template_argument_passed_as_a_template_variable_fails_that_conversation_alone(
         llm: LLM) -> None:  # noqa: F811
     from tests.test_engine_e2e import submit_and_wait
