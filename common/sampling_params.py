@@ -290,11 +290,15 @@ class SamplingParams:
         _integer("min_tokens", self.min_tokens, 0, TOKEN_ID_LIMIT - 1, "[0, max_tokens]")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        given_stop = self.stop
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, or None, got {quote(self.stop)}")
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, or None, got {quote(given_stop)}")
+            if not all(self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them: an empty string would match "
+                                 f"before any output text (vLLM refuses it too), got {quote(given_stop)}")
             if len(self.stop) > MAX_STOP_STRINGS:
                 raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
             longest = max(len(x) for x in self.stop) if self.stop else 0

@@ -318,6 +318,9 @@ BAD_VALUES = [
     ("min_tokens", 100, "min_tokens must be in [0, max_tokens=64]"),
     ("max_tokens", 0, "max_tokens must be an integer in [1, 2**63)"),
     ("stop", ["ok", ""], "stop must be a non-empty string"),
+    ("stop", "", "stop must be a non-empty string or a list of them: an empty string would match before any output "
+                 "text (vLLM refuses it too), got ''"),
+    ("stop", [""], "an empty string would match before any output text (vLLM refuses it too), got ['']"),
     ("stop", 5, "stop must be"),
     ("include_stop_str_in_output", 1, "include_stop_str_in_output must be true or false"),
     ("stop_token_ids", [-1], "stop_token_ids must be a list of integers"),
