@@ -78,22 +78,22 @@ class LLM:
         self,
         prompts: str | Mapping[str, Any] | Sequence[str | Sequence[int] | Mapping[str, Any]] | Sequence[int],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; returns one dict per prompt, in order.
 
-        A prompt is a text, token ids (a list or a numpy array), or vLLM's dict prompts `{"prompt": text}`
-        and `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them (`[]` returns `[]`). Each
-        dict has `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or "error") and
-        `stop_reason` (the stop string or token id that ended it) of the first sample, `error` (why a request
-        was rejected, else None), `num_prompt_tokens`, `num_cached_tokens`, `metrics` (ttft_s, e2e_s,
-        num_preemptions), `outputs` (one dict per sample, n of them: index, text, token_ids, finish_reason,
-        stop_reason, logprobs, cumulative_logprob) and `prompt_logprobs` (None unless asked for). A rejected request
-        (e.g. empty, longer than max_model_len, a token id out of the vocabulary, text with a lone
-        surrogate, sampling parameters out of range) fails alone; the others run. The progress bar
-        (`use_tqdm`) shows the input and output tokens per second. Raises `TypeError` for prompts of the
-        wrong type (bytes included: decode them to str; chat messages go to `chat`), and `EngineDeadError`
-        if an engine process dies or after `shutdown()`.
+        A prompt is a text, token ids (a list or a numpy array), or vLLM's dict prompts `{"prompt": text}` and
+        `{"prompt_token_ids": ids}`; `prompts` is one prompt or a list of them (`[]` returns `[]`). Each dict has
+        `text`, `token_ids` (output ids), `finish_reason` ("stop", "length" or "error") and `stop_reason` (the stop
+        string or token id that ended it) of the first sample, `error` (why a request was rejected, else None),
+        `num_prompt_tokens`, `num_cached_tokens`, `metrics` (ttft_s, e2e_s, num_preemptions), `outputs` (one dict
+        per sample, n of them: index, text, token_ids, finish_reason, stop_reason, logprobs, cumulative_logprob) and
+        `prompt_logprobs` (None unless asked for). A rejected request (e.g. empty, longer than max_model_len, a
+        token id out of the vocabulary, text with a lone surrogate, sampling parameters out of range) fails alone;
+        the others run. `use_tqdm` (keyword only): show a progress bar of finished prompts, with the input and
+        output tokens per second. Raises `TypeError` for prompts of the wrong type (bytes included: decode them to
+        str; chat messages go to `chat`), and `EngineDeadError` if an engine process dies or after `shutdown()`.
         """
         self.engine.check()  # a dead or shut-down engine: EngineDeadError saying which, not a socket error
         if hasattr(prompts, "tolist"):  # a numpy array or torch tensor of token ids
@@ -121,8 +121,8 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
         *,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,

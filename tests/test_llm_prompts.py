@@ -207,6 +207,14 @@ def test_a_chat_template_argument_passed_as_a_template_variable_fails_that_conve
     assert outs["b"].error is None and len(outs["b"].token_ids) == 2
 
 
+def test_use_tqdm_is_keyword_only(llm: LLM) -> None:  # noqa: F811
+    """A third positional argument was taken as `use_tqdm` (a fresh user's trial)."""
+    with pytest.raises(TypeError, match="positional argument"):
+        llm.generate(["hi"], GREEDY4, False)
+    with pytest.raises(TypeError, match="positional argument"):
+        llm.chat(USER_HI, GREEDY4, False)
+
+
 def test_the_progress_bar_shows_input_and_output_tokens_per_second(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     from tqdm import tqdm
