@@ -133,6 +133,20 @@ def test_a_prompt_holding_a_value_of_the_wrong_type_is_refused_naming_the_type(
     assert str(info.value) == message
 
 
+def test_a_result_carries_its_prompt_length_prefix_cache_hit_and_timings(llm: LLM) -> None:  # noqa: F811
+    """The keys docs/python-api.md describes: 40 prompt tokens are two full 16-token blocks and a partial one, so a
+    second run finds 32 of them in the prefix cache; timings are in seconds, and a refused request has none."""
+    prompt = list(range(100, 140))
+    first, again = (llm.generate([prompt], GREEDY4, use_tqdm=False)[0] for _ in range(2))
+    refused = llm.generate([""], GREEDY4, use_tqdm=False)[0]
+    assert (first["num_prompt_tokens"], first["num_cached_tokens"]) == (40, 0)
+    assert (again["num_prompt_tokens"], again["num_cached_tokens"]) == (40, 32)
+    metrics = again["metrics"]
+    assert set(metrics) == {"ttft_s", "e2e_s", "queue_s", "num_preemptions"} and metrics["num_preemptions"] == 0
+    assert 0 < metrics["ttft_s"] <= metrics["e2e_s"] < 60 and 0 <= metrics["queue_s"] < 60
+    assert (refused["finish_reason"], refused["num_prompt_tokens"], refused["metrics"]) == ("error", 0, {})
+
+
 def test_get_tokenizer_encodes_a_prompt_as_the_engine_does(llm: LLM) -> None:  # noqa: F811
     out = llm.generate(["Hello, my name is"], GREEDY4, use_tqdm=False)[0]
     assert llm.get_tokenizer() is llm.tokenizer
