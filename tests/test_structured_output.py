@@ -113,6 +113,20 @@ def test_a_constrained_request_cut_by_max_tokens_ends_with_length_and_returns_wh
     assert out["text"].startswith("{")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_token_the_grammar_forces_has_logprob_0_rank_1_and_itself_as_the_only_top_entry(
+        llm: LLM, temperature: float) -> None:
+    """docs/parameters.md#logprobs: the regex "a" allows one token of the vocabulary first; the masked tokens'
+    logprobs are -inf and are not listed, though 5 were asked for."""
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=4, logprobs=5,
+                            structured_outputs={"regex": "a"})
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    first = out["outputs"][0]["logprobs"][0]
+    assert out["text"] == "a" and out["finish_reason"] == "stop"
+    assert (first["logprob"], first["rank"]) == (0.0, 1)
+    assert [(t["token_id"], t["logprob"]) for t in first["top"]] == [(first["token_id"], 0.0)]
+
+
 UNBOUNDED_INTEGER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
