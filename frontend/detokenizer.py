@@ -46,6 +46,20 @@ class _TokenBytes:
         self.backend = backend
         self.special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.cache: dict[int, bytes] = {}
+        self.texts: dict[int, str | None] = {}  # token id -> its text when its bytes are whole UTF-8 characters
+
+    def whole_text(self, token_id: int) -> str | None:
+        """The text of a token whose bytes are complete, valid UTF-8 (most of a vocabulary), else None. Not for a
+        special token that is skipped (`__call__` gives it no bytes)."""
+        try:
+            return self.texts[token_id]
+        except KeyError:
+            try:
+                text: str | None = self(token_id, False).decode()
+            except UnicodeDecodeError:
+                text = None
+            self.texts[token_id] = text
+            return text
 
     def __call__(self, token_id: int, skip_special: bool) -> bytes:
         if skip_special and token_id in self.special:
@@ -78,12 +92,15 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._bytes = token_bytes_table(tokenizer)
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far
         self.token_ids: list[int] = []
         if self._bytes is not None:
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
             context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
             self._utf8.decode(b"".join(self._bytes(t, skip_special_tokens) for t in context))  # text dropped
+            # Whether the UTF-8 decoder holds the first bytes of a character: while it does not, a token made of
+            # whole characters is its cached text (`whole_text`), without a call into the decoder.
+            self._partial = bool(self._utf8.getstate()[0])
         else:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             self._backend = tokenizer.backend_tokenizer
@@ -94,17 +111,31 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if not emit:
             return ""
-        if self._bytes is not None:
-            piece = self._utf8.decode(self._bytes(token_id, self._skip_special))
-        else:
+        table = self._bytes
+        if table is None:
             piece = self._stream.step(self._backend, token_id) or ""
-        self.text += piece
+        elif self._skip_special and token_id in table.special:
+            piece = ""
+        else:
+            whole = None if self._partial else table.whole_text(token_id)
+            if whole is not None:
+                piece = whole
+            else:
+                piece = self._utf8.decode(table(token_id, self._skip_special))
+                self._partial = bool(self._utf8.getstate()[0])
+        self._pieces.append(piece)
         return piece
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def flush(self) -> str:
         """At the end of the output: an unfinished character, shown as U+FFFD like `decode()` shows it."""
         if self._bytes is None:
             return ""
         tail = self._utf8.decode(b"", final=True)
-        self.text += tail
+        self._partial = False
+        self._pieces.append(tail)
         return tail

@@ -301,3 +301,24 @@ def test_random_text_split_anywhere_streams_exactly(tokenizer: Any, text: str, c
     deltas, tail = stream(tokenizer, prompt, output)
 
     assert_clean_stream(deltas + [tail], generated)
+
+
+@RANDOM
+@given(ids=st.lists(st.integers(0, 151_668), max_size=40), prompt=st.lists(st.integers(0, 151_668), max_size=6))
+def test_any_ids_stream_what_one_utf8_decoder_over_their_bytes_gives(
+        tokenizer: Any, ids: list[int], prompt: list[int]) -> None:
+    """Whole-character tokens take a cached text instead of the UTF-8 decoder: any ids (lone continuation bytes,
+    the first bytes of a character, special tokens) stream what one incremental decoder over all their bytes
+    gives."""
+    import codecs
+
+    from frontend.detokenizer import token_bytes_table
+
+    table = token_bytes_table(tokenizer)
+    reference = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    reference.decode(b"".join(table(t, True) for t in prompt[-4:]))
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+
+    for token_id in ids:
+        assert detok.step(token_id) == reference.decode(table(token_id, True))
+    assert detok.flush() == reference.decode(b"", final=True)
