@@ -13,7 +13,11 @@ Shapes (prompts are token ids, so every shape is the same on any tokenizer):
 - long_prefill: 4 prompts of 2,000 tokens, max_tokens 1, prefilled in chunks of 512 tokens;
 - steady_decode: 32 prompts of 64 tokens, 128 output tokens each (ignore_eos);
 - kv_bound: 64 prompts of 128 tokens, 32 output tokens each, in a KV cache that holds 8 of them,
-  so that most requests wait for blocks.
+  so that most requests wait for blocks;
+- decode_256: 256 prompts of 32 tokens, 512 output tokens each: full-batch decode steps of 256 rows, where
+  each host process's CPU per step (also printed, over ~512 steps) bounds a small model's throughput
+  (issue 33 target 4: at most 0.5 ms each); meant for a GPU (--device cuda), where the worker's compute does
+  not take the host processes' cores.
 Prints, per shape: wall seconds, output tokens, and every process's CPU seconds and CPU seconds
 per wall second. Default model: the built-in demo model (downloaded and converted once).
 """
@@ -53,6 +57,7 @@ SHAPES = {
     "long_prefill": Shape(4, (2000, 2000), 1, {"max_model_len": 2048, "max_num_batched_tokens": 512}),
     "steady_decode": Shape(32, (64, 64), 128, {"max_model_len": 256}),
     "kv_bound": Shape(64, (128, 128), 32, {"max_model_len": 256, "num_kvcache_blocks": 8 * 10}),
+    "decode_256": Shape(256, (32, 32), 512, {"max_model_len": 1024, "max_num_seqs": 256}),
 }
 
 
@@ -76,7 +81,10 @@ def run_shape(model: str, name: str, shape: Shape, device: str) -> dict:
     if errors:
         raise RuntimeError(f"{name}: {len(errors)} requests failed, e.g. {errors[0]}")
     tokens = sum(len(o["token_ids"]) for o in outputs)
-    print(f"{name}: {wall:.2f} s wall, {tokens} output tokens | {format_cpu(used, wall)}", flush=True)
+    steps = -(-tokens // min(shape.num_prompts, shape.engine.get("max_num_seqs", 256)))  # at full batch
+    per_step = ", ".join(f"{p} {1e3 * s / steps:.2f}" for p, s in used.items())
+    print(f"{name}: {wall:.2f} s wall, {tokens} output tokens | {format_cpu(used, wall)} | CPU ms per step of "
+          f"{min(shape.num_prompts, 256)} rows (~{steps} steps): {per_step}", flush=True)
     return {"shape": name, "wall_s": wall, "output_tokens": tokens, "cpu_s": used,
             "scheduler_cpu_per_wall_s": used["scheduler"] / wall}
 
