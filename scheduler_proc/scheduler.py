@@ -198,28 +198,33 @@ class Scheduler:
         num_scheduled = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+        # This loop runs for every running request each step (256 rows at full batch): `_wants_tokens` is written
+        # out, and the free blocks are counted only when the request lacks blocks.
         running = self.running
+        max_model_len = self.config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if not self._wants_tokens(seq):
-                i += 1
+            num_tokens = len(seq.token_ids) + seq.num_pending_tokens
+            if num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= max_model_len:
+                i += 1  # it may sample no more tokens (`_wants_tokens`)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(num_tokens - seq.num_computed_tokens, budget)
             need = bm.num_new_blocks(seq, seq.num_computed_tokens + n)
-            while need > bm.num_free_blocks and running[-1] is not seq:
-                preempted_ids.append(self._preempt(running[-1]))
-            if need > bm.num_free_blocks:  # `seq` is now the newest running request
-                if i == 0:
-                    # Alone, and the whole cache cannot hold its next token: stop it there.
-                    seq.max_tokens = seq.num_output_tokens
-                    if seq.num_pending_tokens == 0:
-                        self._finish(seq, "length", self.unreported)
+            if need > bm.num_free_blocks:
+                while need > bm.num_free_blocks and running[-1] is not seq:
+                    preempted_ids.append(self._preempt(running[-1]))
+                if need > bm.num_free_blocks:  # `seq` is now the newest running request
+                    if i == 0:
+                        # Alone, and the whole cache cannot hold its next token: stop it there.
+                        seq.max_tokens = seq.num_output_tokens
+                        if seq.num_pending_tokens == 0:
+                            self._finish(seq, "length", self.unreported)
+                        else:
+                            i += 1
                     else:
-                        i += 1
-                else:
-                    preempted_ids.append(self._preempt(seq))
-                continue
+                        preempted_ids.append(self._preempt(seq))
+                    continue
             if need:
                 new_blocks.append(NewBlocks(seq.seq_id, i32(bm.append_blocks(seq, need))))
             samples = self._advance(seq, n)
