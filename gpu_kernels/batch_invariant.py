@@ -1,0 +1,420 @@
+"""Batch-invariant matmul and RMSNorm for the deterministic mode (issue 34): a row's result, bit for bit, does not
+depend on how many rows share its batch, on what they hold, or on where in the batch it sits.
+
+A GEMM library chooses its tiling, and with it each output's reduction order, from the shape: cuBLAS picks other
+tiles and split-K counts as M grows, and CPU BLAS other kernels (fp32 `F.linear` on MKL gives row 0 other bits at
+M = 1, 2..3 and >= 4). Thinking Machines ("Defeating Nondeterminism in LLM Inference", He et al., 2025) showed that
+this, not atomics, is why a request's logits change with its neighbours, and that kernels with one reduction order
+for every batch fix it; vLLM's `VLLM_BATCH_INVARIANT` and SGLang's deterministic mode use their Triton kernels.
+
+- `matmul_batch_invariant`: on a GPU a persistent Triton GEMM (`persistent_matmul`): one launch configuration for
+  every M (`MatmulConfig`, chosen by dtype alone), no split-K, the K loop in one order, float32 accumulation, one
+  rounding to x's dtype. Element (m, n) is the same sequence of `tl.dot` steps over the same K tiles whatever the
+  tile's other rows hold, and rows past M are never stored. On a CPU, `chunked_linear`: fixed chunks of
+  `CPU_CHUNK_ROWS` rows, zero-padded, each one `F.linear` of the same shape, so BLAS makes the same choice for
+  every chunk.
+- `rms_norm_batch_invariant`: on a GPU one program per row with a block fixed by the hidden size
+  (`rms_norm_rows`); on a CPU the formula of `workers/layers/norm.py` in chunks of `CPU_CHUNK_ROWS` rows
+  (`chunked_rms_norm`): torch's CPU reduction splits one row over threads when the tensor is large and has few
+  rows (from 65,536 features a row at 2 threads), and a fixed shape makes that decision the same for every batch.
+
+Determinism here means: the same inputs and the same row give the same bits for any M on the same device, dtype,
+torch and Triton versions and (CPU) thread count. The GPU and CPU paths do not give each other's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from gpu_kernels.rounding import round_to
+
+BATCH_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows per CPU chunk. At M <= 16 a chunk reads the weight once, as M = 1 would, so a decode step pays for the
+# padding only in multiply-adds; above it the weight is read once per chunk. One thread, K = 1024, N = 3072, fp32
+# (Sapphire Rapids): 1.7 ms at M = 1 against 0.7 ms for F.linear, 114 ms at M = 1024 against 44 ms.
+CPU_CHUNK_ROWS = 16
+_DEFAULT_NUM_SMS = 132  # an H100/H200, where the device cannot be asked (CPU tensors, the interpreter)
+_NORM_MAX_BLOCK = 1024  # features per RMSNorm loop iteration at most
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """The one launch configuration of `persistent_matmul` for a dtype; nothing in it may depend on M.
+
+    block_m, block_n, block_k: output rows, output features and input features of a tile (powers of two >= 16).
+    group_m: row tiles that take their turns on one column of weight tiles, so that column stays in L2.
+    num_warps, num_stages: Triton's launch options.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {value}")
+        if self.group_m < 1:
+            raise ValueError(f"MatmulConfig.group_m must be >= 1, got {self.group_m}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"MatmulConfig.num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"MatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Hopper (H100/H200), for M from 1 to 8192 and N, K from hundreds to tens of thousands. 128 x 128 tiles: two
+# warpgroups (8 warps) each issue wgmma on 64 of the rows, a 64-register float32 accumulator a thread; a 64-deep K
+# step in 3 stages is 3 x 32 KiB of bf16 shared memory, well inside 228 KiB. A large M runs near cuBLAS at this
+# tile; a small M wastes most of the tile's rows (the weight read dominates there) and has only N / 128 tiles to
+# spread over the SMs, the price of one configuration for every M. float32 (no tensor cores, exact IEEE products)
+# halves the K step to keep the same shared memory.
+HOPPER_CONFIGS = {
+    torch.bfloat16: MatmulConfig(block_m=128, block_n=128, block_k=64),
+    torch.float16: MatmulConfig(block_m=128, block_n=128, block_k=64),
+    torch.float32: MatmulConfig(block_m=128, block_n=128, block_k=32),
+}
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# M changes from step to step: specializing on it (Triton compiles variants for 1, multiples of 16 and the rest)
+# would compile mid-run. Specialization never changes the arithmetic, only how addresses are proven aligned.
+@triton.jit(do_not_specialize=["M"])
+def _persistent_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    # Program p computes output tiles p, p + P, p + 2P, ... (P programs, one per SM); each tile whole, over all of
+    # K in order, so no other program's work ever enters its sums.
+    num_programs = tl.num_programs(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * tiles_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), tiles_m * tiles_n, num_programs):
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (tile % tiles_per_group) % group_size
+        tile_n = (tile % tiles_per_group) // group_size
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past M and columns past N read the last row/column again (in bounds, no mask) and are never stored:
+        # each output element sees only its own row of x and column of W.
+        x_rows = tl.minimum(rows, M - 1).to(tl.int64)
+        w_cols = tl.minimum(cols, N - 1).to(tl.int64)
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + w_cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+            else:  # the last K tile adds products of zeros, which leave a float32 sum unchanged
+                x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k, other=0.0)
+            if IEEE_DOT:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+        tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def _check_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"matmul_batch_invariant needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and "
+                         f"weight {tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} input features (K) but weight {tuple(weight.shape)} has "
+                         f"{weight.shape[1]}")
+    if x.dtype not in BATCH_INVARIANT_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} must be one of {BATCH_INVARIANT_DTYPES}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must equal x's dtype {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"x is on {x.device} but weight on {weight.device}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias {bias.dtype} {tuple(bias.shape)} on {bias.device} must be {x.dtype} "
+                         f"({weight.shape[0]},) on {x.device}")
+
+
+def _without_k(m: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The product of K = 0: the bias in every row, or zeros."""
+    n = weight.shape[0]
+    if bias is None:
+        return torch.zeros((m, n), dtype=dtype, device=weight.device)
+    return bias.expand(m, n).clone()
+
+
+def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      config: MatmulConfig | None = None, num_programs: int | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` by the persistent Triton kernel, on any device (CPU tensors: the Triton interpreter).
+
+    Args:
+        x: `[M, K]` bfloat16, float16 or float32, any strides.
+        weight: `[N, K]` in x's dtype, any strides (`nn.Linear`'s row-major layout reads fastest).
+        bias: `[N]` in x's dtype, or None.
+        config: the launch configuration; None: `HOPPER_CONFIGS[x.dtype]`. Row-invariance holds for any one
+            config, used for every M.
+        num_programs: programs of the persistent grid; None: the device's SM count (132 for CPU tensors), capped
+            at the number of tiles. It never changes the result.
+
+    Returns:
+        y `[M, N]` contiguous, in x's dtype: float32 sums over K in tiles of `block_k` in increasing order (exact
+        products of 16-bit inputs on tensor cores; IEEE float32 products for float32 and under the interpreter),
+        the bias added in float32, one rounding to nearest even. Row m depends only on x[m], weight, bias and
+        the config.
+
+    Raises:
+        ValueError: x or weight not 2-D, differing K, a dtype not in `BATCH_INVARIANT_DTYPES` or differing
+            dtypes, tensors on different devices, a bias not `[N]` in x's dtype.
+
+    Reads no tensor value on the host, so it can be captured in a CUDA graph.
+    """
+    _check_matmul(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return _without_k(m, weight, bias, x.dtype)
+    config = config or HOPPER_CONFIGS[x.dtype]
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = min(tiles, num_programs or _num_sms(x.device))
+    _persistent_matmul_kernel[(programs,)](
+        x, weight, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+        # The interpreter's tl.dot misreads 16-bit operands (it multiplies bfloat16's bits as integers): widened to
+        # float32 there, the products stay exact and the sums float32, as on tensor cores.
+        IEEE_DOT=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed `CPU_CHUNK_ROWS` rows at a time, for the CPU torch backend.
+
+    Each chunk is copied into one zero-padded `[CPU_CHUNK_ROWS, K]` buffer (one allocation, so one alignment) and
+    multiplied by one `F.linear` call, so every row of every batch goes through a BLAS call of one shape with the
+    same operands' layout: BLAS picks its kernel by shape (and MKL may vary with alignment), never by the values.
+
+    Args, errors: as `matmul_batch_invariant`. Returns y `[M, N]` contiguous in x's dtype (F.linear's accumulation:
+    float32 for every dtype here).
+    """
+    _check_matmul(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return _without_k(m, weight, bias, x.dtype)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    chunk = torch.empty((CPU_CHUNK_ROWS, k), dtype=x.dtype, device=x.device)
+    for start in range(0, m, CPU_CHUNK_ROWS):
+        rows = min(CPU_CHUNK_ROWS, m - start)
+        chunk[:rows].copy_(x[start:start + rows])
+        chunk[rows:].zero_()
+        y[start:start + rows].copy_(F.linear(chunk, weight, bias)[:rows])
+    return y
+
+
+def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` whose every row is bitwise the same whatever the batch around it.
+
+    CUDA tensors: `persistent_matmul` with `HOPPER_CONFIGS[x.dtype]`; CPU tensors: `chunked_linear`. The two
+    paths do not give each other's bits; each gives one row the same bits at every M, position and neighbours.
+
+    Args:
+        x: `[M, K]` (tokens x input features) bfloat16, float16 or float32; M may be 0.
+        weight: `[N, K]` in x's dtype on x's device.
+        bias: `[N]` in x's dtype, or None.
+
+    Returns:
+        y `[M, N]` in x's dtype: float32 accumulation, rounded once.
+
+    Raises:
+        ValueError: x or weight not 2-D, differing K, a dtype outside `BATCH_INVARIANT_DTYPES` or differing
+            dtypes, tensors on different devices, a bias not `[N]` in x's dtype.
+
+    Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025): one tiling for every batch
+    size, no split-K, a persistent grid.
+    """
+    if x.is_cuda:
+        return persistent_matmul(x, weight, bias)
+    return chunked_linear(x, weight, bias)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_res, eps,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # Program r normalises row r alone: one pass sums h^2 over the row in BLOCK-wide slices into a [BLOCK] float32
+    # vector, reduced once by tl.sum's fixed tree; a second pass scales. h = round(x + residual) (or x) is computed
+    # alike in both passes and written by the first; out and h are contiguous [rows, H].
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    res_row = res_ptr + row * stride_res
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        offs = start + cols
+        h = tl.load(x_row + offs, mask=offs < H, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_row + offs, mask=offs < H, other=0.0)
+            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
+            tl.store(h_ptr + row * H + offs, h, mask=offs < H)
+        h32 = h.to(tl.float32)
+        squares += h32 * h32
+    # H as a float32 tensor: tl.full also takes the constant Triton makes of an argument equal to 1.
+    inv_rms = tl.rsqrt(tl.div_rn(tl.sum(squares, axis=0), tl.full((), H, tl.float32)) + eps)
+    for start in range(0, H, BLOCK):
+        offs = start + cols
+        h = tl.load(x_row + offs, mask=offs < H, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_row + offs, mask=offs < H, other=0.0)
+            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
+        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        # weight * round(h * inv_rms), rounded: workers/layers/norm.py's two roundings to the model dtype.
+        normed = round_to(h.to(tl.float32) * inv_rms, dtype).to(tl.float32)
+        tl.store(out_ptr + row * H + offs, round_to(w * normed, dtype), mask=offs < H)
+
+
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm_batch_invariant needs x [..., hidden] with hidden >= 1, got {tuple(x.shape)}")
+    if x.dtype not in BATCH_INVARIANT_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} must be one of {BATCH_INVARIANT_DTYPES}")
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight {weight.dtype} {tuple(weight.shape)} on {weight.device} must be {x.dtype} "
+                         f"({x.shape[-1]},) on {x.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} on {residual.device} must be "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t `[..., H]` as `[rows, H]` with stride 1 along H (a view where the layout allows)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+                  block: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of every row by the one-program-per-row Triton kernel, on any device (CPU: the interpreter).
+
+    Args, returns, errors: as `rms_norm_batch_invariant`. `block`: features per loop iteration (a power of two;
+    None: the hidden size's next power of two, at most 1024). It depends on the hidden size only, never on the
+    number of rows.
+    """
+    _check_rms_norm(x, weight, residual)
+    hidden = x.shape[-1]
+    block = block or min(_NORM_MAX_BLOCK, triton.next_power_of_2(hidden))
+    x2 = _rows(x)
+    res2 = _rows(residual) if residual is not None else x2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    if x2.shape[0] > 0:
+        _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight.contiguous(), out, h, hidden, x2.stride(0),
+                                         res2.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+                                         num_warps=4)
+    return (out, h) if residual is not None else out
+
+
+def _rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # workers/layers/norm.py's rms_norm, operation for operation (gpu_kernels does not import workers).
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def chunked_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with torch ops on `CPU_CHUNK_ROWS` rows at a time, for the CPU torch backend.
+
+    `workers/layers/norm.py`'s formula on one zero-padded `[CPU_CHUNK_ROWS, hidden]` buffer per chunk: torch's CPU
+    reduction decides by the tensor's shape (and thread count) whether to split a row over threads, so a fixed
+    shape sums every row of every batch in one order. The residual add is element-wise and needs no chunks.
+
+    Args, returns, errors: as `rms_norm_batch_invariant`.
+    """
+    _check_rms_norm(x, weight, residual)
+    h = x + residual if residual is not None else x
+    h2 = h.reshape(-1, h.shape[-1])
+    out = torch.empty(h2.shape, dtype=x.dtype, device=x.device)
+    chunk = torch.empty((CPU_CHUNK_ROWS, h2.shape[1]), dtype=x.dtype, device=x.device)
+    for start in range(0, h2.shape[0], CPU_CHUNK_ROWS):
+        rows = min(CPU_CHUNK_ROWS, h2.shape[0] - start)
+        chunk[:rows].copy_(h2[start:start + rows])
+        chunk[rows:].zero_()
+        out[start:start + rows] = _rms_norm_formula(chunk, weight, eps)[:rows]
+    out = out.reshape(x.shape)
+    return (out, h) if residual is not None else out
+
+
+def rms_norm_batch_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                             residual: torch.Tensor | None = None
+                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (Zhang & Sennrich 2019) whose every row is bitwise the same whatever the batch around it.
+
+    The semantics of `workers/layers/norm.py`: without a residual `rms_norm(x, weight, eps)`; with one
+    `add_rms_norm`: h = x + residual rounded to x's dtype, and (normed h, h) returned. In float32,
+    inv_rms = rsqrt(mean(h^2) + eps); normed = weight * round(h * inv_rms), rounded to x's dtype.
+
+    CUDA tensors: `rms_norm_rows` (one Triton program per row); CPU tensors: `chunked_rms_norm`. The two paths do
+    not give each other's bits; on a CPU at realistic hidden sizes the chunked path gives norm.py's own.
+
+    Args:
+        x: `[..., hidden]` (tokens x features, or tokens x heads x head_dim for QK-norm) bfloat16, float16 or
+            float32; hidden >= 1, any number of rows (0 too).
+        weight: `[hidden]` in x's dtype. eps: added to the mean square.
+        residual: x's shape and dtype, or None. Neither input is written.
+
+    Returns:
+        normed, x's shape and dtype; with a residual, (normed, h), h a new tensor.
+
+    Raises:
+        ValueError: x 0-d or with hidden 0, a dtype outside `BATCH_INVARIANT_DTYPES`, a weight not `[hidden]` in
+            x's dtype, a residual of another shape or dtype, tensors on different devices.
+    """
+    if x.is_cuda:
+        return rms_norm_rows(x, weight, eps, residual)
+    return chunked_rms_norm(x, weight, eps, residual)
