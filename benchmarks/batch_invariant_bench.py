@@ -1,0 +1,114 @@
+"""The batch-invariant matmul (`gpu_kernels/batch_invariant.py`) against cuBLAS (`F.linear`) on Qwen3-0.6B's layers.
+
+    python benchmarks/batch_invariant_bench.py [--batches 1 8 32 256 2048] [--dtype bf16|fp16|fp32] [--sweep]
+
+For each weight shape (N outputs x K inputs) and batch M: the median microseconds of one call of ours and of
+cuBLAS, and their ratio (ours / cuBLAS: 2.0 means ours takes twice as long). Times are medians of
+`triton.testing.do_bench`, which clears the L2 cache before every call, so the weight comes from HBM as in a model
+whose 28 layers stream by; launch latency is included for both. The "bits" column says whether row 0 of the batch
+has the bits of that row computed alone, for ours (must be yes) and for cuBLAS. The last lines add the layers up as
+one Qwen3-0.6B forward (28 x (qkv + o + gate_up + down) + the LM head) at each M.
+
+`--sweep`: the same forward totals for other launch configurations of ours, each one used for every M, to show
+why `HOPPER_CONFIGS` holds what it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+# The repository root must come before benchmarks/, where this file would shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_kernels.batch_invariant import HOPPER_CONFIGS, MatmulConfig, persistent_matmul  # noqa: E402
+
+# (layer, N, K, times per forward)
+SHAPES = [
+    ("qkv", 4096, 1024, 28),
+    ("o", 1024, 2048, 28),
+    ("gate_up", 6144, 1024, 28),
+    ("down", 1024, 3072, 28),
+    ("lm_head", 151936, 1024, 1),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SWEEP_CONFIGS = [
+    MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    MatmulConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3),
+]
+
+
+def microseconds(fn, *args, **kwargs) -> float:
+    """The median time of `fn(*args, **kwargs)`, L2 cleared before each call."""
+    return do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def time_layers(batches: list[int], dtype: torch.dtype) -> None:
+    print(f"{'layer':>8} {'N':>7} {'K':>5} {'M':>5} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6}  bits as alone "
+          f"(ours, cuBLAS)")
+    totals = {m: [0.0, 0.0] for m in batches}
+    for name, n, k, count in SHAPES:
+        weight = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            ours = microseconds(persistent_matmul, x, weight)
+            cublas = microseconds(F.linear, x, weight)
+            ours_same = torch.equal(persistent_matmul(x, weight)[0], persistent_matmul(x[:1], weight)[0])
+            cublas_same = torch.equal(F.linear(x, weight)[0], F.linear(x[:1], weight)[0])
+            totals[m][0] += count * ours
+            totals[m][1] += count * cublas
+            print(f"{name:>8} {n:>7} {k:>5} {m:>5} {ours:>9.1f} {cublas:>9.1f} {ours / cublas:>6.2f}  "
+                  f"{'yes' if ours_same else 'NO'}, {'yes' if cublas_same else 'no'}")
+    print("\nOne Qwen3-0.6B forward's linear layers (28 x (qkv + o + gate_up + down) + LM head):")
+    for m, (ours, cublas) in totals.items():
+        print(f"  M={m:>5}: ours {ours / 1e3:8.2f} ms, cuBLAS {cublas / 1e3:8.2f} ms, ratio {ours / cublas:.2f}")
+
+
+def sweep(batches: list[int], dtype: torch.dtype) -> None:
+    weights = {(n, k): (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for _, n, k, _ in SHAPES}
+    print("\nForward totals (ms) per configuration (block_m x block_n x block_k, warps, stages), each for every M:")
+    print(f"{'config':>22} " + " ".join(f"{'M=' + str(m):>9}" for m in batches))
+    cublas = {m: 0.0 for m in batches}
+    for m in batches:
+        for _, n, k, count in SHAPES:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            cublas[m] += count * microseconds(F.linear, x, weights[(n, k)])
+    print(f"{'cuBLAS':>22} " + " ".join(f"{cublas[m] / 1e3:>9.2f}" for m in batches))
+    for config in SWEEP_CONFIGS:
+        row = []
+        for m in batches:
+            total = 0.0
+            for _, n, k, count in SHAPES:
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                total += count * microseconds(persistent_matmul, x, weights[(n, k)], config=config)
+            row.append(total)
+        name = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
+        print(f"{name:>22} " + " ".join(f"{t / 1e3:>9.2f}" for t in row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    dtype = DTYPES[args.dtype]
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, our configuration {HOPPER_CONFIGS[dtype]}")
+    time_layers(args.batches, dtype)
+    if args.sweep:
+        sweep(args.batches, dtype)
+
+
+if __name__ == "__main__":
+    main()
