@@ -71,6 +71,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # None: unlimited; beyond it a request is refused ("overloaded")
     # Chat outputs split into reasoning and answer (frontend/reasoning_parsers.py); a grammar starts after it
     reasoning_parser: str | None = None
+    # Every request's logits bitwise the same whatever else is in its batch (workers/deterministic.py)
+    deterministic: bool = False
     # Filled by `resolve()` from the checkpoint's config.json; not user settings.
     architecture: str = ""
     vocab_size: int = 0
@@ -138,6 +140,8 @@ class EngineConfig:
                               f"got {self.structured_outputs_backend!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":

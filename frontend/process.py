@@ -125,7 +125,7 @@ class FrontendProcess:
         return {"model": self.config.served_model_names[0], "max_model_len": self.config.max_model_len,
                 "num_kv_blocks": self.validator.num_kv_blocks, "block_size": self.validator.block_size,
                 "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
-                "max_waiting_requests": self.config.max_waiting_requests,
+                "max_waiting_requests": self.config.max_waiting_requests, "deterministic": self.config.deterministic,
                 "eos_token_id": None if eos is None else int(eos), **self.ready_info}
 
     # ------------------------------------------------------------------ loop

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from workers.deterministic import row_reduce
 from workers.host_buffers import to_device
 from workers.layers.fused import fused
 from workers.structured_output import apply_bitmask
@@ -363,9 +364,10 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """log_softmax of `logits` `[L, V]` at `chosen` `[L]`, the rank of `chosen` (1 + the number of tokens
     strictly more likely) and the `num_top` largest logprobs with their token ids (most likely first).
-    From one logsumexp per row: the `[L, V]` log_softmax is never materialized."""
+    From one logsumexp per row (`row_reduce`: batch-invariant in deterministic mode): the `[L, V]` log_softmax is
+    never materialized."""
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
+    lse = row_reduce(x, lambda t: torch.logsumexp(t, dim=-1))
     chosen_x = x.gather(1, chosen.view(-1, 1))
     lp = chosen_x.squeeze(1) - lse
     rank = (x > chosen_x).sum(dim=-1) + 1
@@ -505,7 +507,7 @@ def top_k_top_p_threshold(rows: torch.Tensor, candidates: torch.Tensor, k: torch
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     kept_k = candidates >= t_k  # a prefix of the candidates
     w = torch.exp(candidates.double() - top).masked_fill_(~kept_k, 0.0)  # unnormalized probabilities
-    total = w.sum(dim=-1)
+    total = row_reduce(w, lambda t: t.sum(dim=-1))
     if not exact_candidates:  # ties with the k-th logit outside the candidates carry mass too
         extra = (rows >= t_k).sum(dim=-1) - kept_k.sum(dim=-1)
         total = total + extra.double() * torch.exp(t_k.squeeze(1).double() - top.squeeze(1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.deterministic import attend_per_query, deterministic
 from workers.kv_cache import FP8_KV_DTYPE, quantize_fp8
 
 
@@ -57,6 +58,9 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             keys = gather_context(k_cache, meta.block_tables[b], seq_len, k_scale).float().repeat_interleave(group, 1)
             values = gather_context(v_cache, meta.block_tables[b], seq_len, v_scale).float().repeat_interleave(group, 1)
+            if deterministic():  # each query alone: the same arithmetic in any chunk (workers/deterministic.py)
+                out[start:end] = attend_per_query(q[start:end], keys, values, scale).to(q.dtype)
+                continue
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
             query_pos = torch.arange(seq_len - n, seq_len, device=q.device)
             allowed = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [n, seq_len]

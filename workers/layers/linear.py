@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import envs
+from workers.deterministic import deterministic
 from workers.layers.fused import fused_kernels_enabled
 from workers.parallel import all_reduce, tp_rank, tp_size
 
@@ -25,8 +26,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
     Runs our small-batch GEMV kernel (`gpu_kernels.gemv.gemv`, which reads the weight at memory bandwidth where
     cuBLAS does not) when the fused kernels are on for x (`fused_kernels_enabled`), x is 2-D with 1 to
     `gemv_max_batch` rows (`DELTASERVE_GEMV_MAX_BATCH`; 0 never), and weight is a contiguous bf16/fp16
-    matrix of x's dtype; F.linear otherwise.
+    matrix of x's dtype; F.linear otherwise. In deterministic mode (workers/deterministic.py) always the
+    batch-invariant matmul.
     """
+    if deterministic():
+        from gpu_kernels.batch_invariant import matmul_batch_invariant
+
+        return matmul_batch_invariant(x, weight, bias)
     if (x.dim() == 2 and 0 < x.shape[0] <= gemv_max_batch and fused_kernels_enabled(x)
             and weight.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_contiguous()
             and x.stride(1) == 1 and (bias is None or bias.is_contiguous())):

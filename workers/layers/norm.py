@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from workers import parallel
+from workers.deterministic import deterministic
 from workers.layers.fused import fused, fused_kernels_enabled
 
 
@@ -35,7 +36,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x `[..., hidden]`. With `residual`, returns (norm(x + residual), x + residual)."""
+        """x `[..., hidden]`. With `residual`, returns (norm(x + residual), x + residual). In deterministic mode
+        (workers/deterministic.py) the batch-invariant RMSNorm."""
+        if deterministic():
+            from gpu_kernels.batch_invariant import rms_norm_batch_invariant
+
+            return rms_norm_batch_invariant(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
@@ -50,4 +56,4 @@ class RMSNorm(nn.Module):
                 if done is not None:
                     return done
             x = parallel.all_reduce(x)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return self(x, residual)
