@@ -18,7 +18,12 @@ the CPU torch paths run at Qwen3 shapes. The tests marked `gpu` run both kernels
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -398,6 +403,63 @@ def test_rms_norm_refuses_bad_inputs_naming_the_problem(norm: Callable, args: tu
     x, weight, residual = args
     with pytest.raises(ValueError, match=message):
         norm(x, weight, EPS, residual)
+
+
+# =========================================================================================== compiled for sm90
+# A fresh process compiles the kernels for Hopper (no GPU needed: Triton ships ptxas), since in this one they are
+# interpreted; M is an i32 argument like any other, never a constant of the compiled kernel.
+HOPPER_COMPILE = r"""
+import json, re
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import gpu_kernels.batch_invariant as b
+
+def compiled(fn, signature, constexprs, num_warps, num_stages=3, aligned=()):
+    # aligned: the arguments Triton sees as multiples of 16 when called on Qwen3's shapes (never M, which is
+    # not specialized).
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    ops = ("wgmma.mma_async", "cp.async", "div.rn.f32", "rsqrt.approx")
+    return {"shared": kernel.metadata.shared, **{op: len(re.findall(re.escape(op), ptx)) for op in ops}}
+
+def matmul(dtype, ty):
+    config = b.HOPPER_CONFIGS[dtype]
+    signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "M": "i32", "N": "i32", "K": "i32",
+                 "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    constexprs = {"stride_xk": 1, "stride_wk": 1, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                  "BLOCK_K": config.block_k, "GROUP_M": config.group_m, "HAS_BIAS": True, "EVEN_K": False,
+                  "IEEE_DOT": dtype == torch.float32}
+    aligned = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    return compiled(b._persistent_matmul_kernel, signature, constexprs, config.num_warps, config.num_stages, aligned)
+
+norm_signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*bf16",
+                  "H": "i32", "stride_x": "i32", "stride_res": "i32", "eps": "fp32"}
+print(json.dumps({"bf16": matmul(torch.bfloat16, "*bf16"), "fp32": matmul(torch.float32, "*fp32"),
+                  "norm": compiled(b._rms_norm_kernel, norm_signature, {"BLOCK": 1024, "HAS_RESIDUAL": True}, 4)}))
+"""
+HOPPER_SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may take on an H100 or H200
+
+
+def test_the_kernels_compile_for_hopper_with_tensor_cores_for_16_bit_inputs() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # bf16: wgmma fed by cp.async copies (Triton's software pipeline); fp32: IEEE products, no tensor cores.
+    assert ops["bf16"]["wgmma.mma_async"] > 0 and ops["bf16"]["cp.async"] > 0
+    assert ops["fp32"]["wgmma.mma_async"] == 0
+    assert max(ops["bf16"]["shared"], ops["fp32"]["shared"]) <= HOPPER_SHARED_MEMORY_BYTES
+    # The norm's mean square divided as torch divides (rounded to nearest), then the hardware's rsqrt.
+    assert ops["norm"]["div.rn.f32"] == 1 and ops["norm"]["rsqrt.approx"] == 1
 
 
 # ======================================================================================== on a GPU, real sizes
