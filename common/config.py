@@ -142,6 +142,10 @@ class EngineConfig:
             raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic and self.tensor_parallel_size > 2:
+            # two ranks' partial sums add in one (commutative) operation; three or more in an order that follows
+            # how the all-reduce splits the batch's tensor
+            raise ConfigError(f"deterministic needs tensor_parallel_size 1 or 2, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":

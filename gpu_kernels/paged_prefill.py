@@ -100,12 +100,25 @@ def _paged_prefill_kernel(
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None] * v_scale
+    # A padding row of a CUDA graph (seq_len 0) sees no key: zeros, as the decode kernel writes.
+    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0) * v_scale
     tl.store(
         out_ptr + token[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
     )
+
+
+# Deterministic mode (workers/deterministic.py) runs every query token through this kernel, decode rows too, with
+# this configuration: a query's keys are visited in the same BLOCK_N tiles from position 0 on, and its rows of
+# q . k and p . v come from dot products of one shape, whichever step and chunk it is in. A tile past the query's
+# position adds exact zeros (p = 0, rescale by exp2(0) = 1), so a tile shared with later queries changes nothing.
+# MIN_DOT_ROWS (16, the smallest tl.dot) query rows, or the GQA group if larger, keep a decode row (one token's
+# query heads of one KV head) from computing a 128-row tile.
+def deterministic_launch_config(group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of every step of a model whose KV heads serve `group` query heads
+    each, in deterministic mode."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(group)), 64, 4, 2
 
 
 def _prefill_launch_config(group: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -129,6 +142,7 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    launch_config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over the paged KV cache.
 
@@ -149,6 +163,8 @@ def paged_attention_prefill(
         out: optional `[num_tokens, num_q_heads, head_dim]` output in q's dtype.
         k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
             cache in q's dtype.
+        launch_config: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) in place of the tuned one
+            (`deterministic_launch_config`: the same for every step, so a query's arithmetic is too).
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -171,7 +187,7 @@ def paged_attention_prefill(
     group = num_q_heads // num_kv_heads
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_launch_config(group, head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config or _prefill_launch_config(group, head_dim)
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_prefill_kernel[grid](

@@ -164,3 +164,47 @@ def test_the_default_mode_is_not_batch_invariant_on_this_model(demo_model: str, 
     finally:
         llm.shutdown()
     assert got != alone
+
+
+# ============================================================================ the GPU path, on CPU
+def _tiny_bits(llm: LLM, prompts: list[list[int]], neighbours: list[list[int]] | None = None) -> list[tuple]:
+    """Greedy and seeded results of `prompts` (with top-3 logprobs), each alone or, with `neighbours`, all in one
+    batch with them in front."""
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, seed=i, max_tokens=8, ignore_eos=True,
+                             logprobs=3) for i in range(len(prompts))]
+    if neighbours is None:
+        return [_bits(llm.generate([p], sp, use_tqdm=False)[0]) for p, sp in zip(prompts, params)]
+    filler = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(neighbours + prompts, [filler] * len(neighbours) + params, use_tqdm=False)
+    return [_bits(o) for o in outs[len(neighbours):]]
+
+
+def test_triton_attention_gives_the_same_bits_in_decode_and_in_any_prefill_chunk(
+        tiny_qwen3, engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's attention (every token through the paged prefill kernel with one launch configuration, decode
+    rows too), run by the Triton interpreter through the engine: requests alone, then among neighbours with prompts
+    prefilled in 5-token chunks. The interpreter's per-row numpy products cannot show a GPU's batch variance (the
+    default kernels pass this too): this checks the path runs and agrees with itself; tests/test_gpu_deterministic.py
+    checks the bits on a GPU."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = random.Random(3)
+    prompts = _prompts(rng, 3, 6, 30)
+    llm = engine_factory(tiny_qwen3, attention_backend="triton", deterministic=True, max_model_len=256,
+                         enable_prefix_caching=False)
+    alone_bits = _tiny_bits(llm, prompts)
+    chunked = engine_factory(tiny_qwen3, attention_backend="triton", deterministic=True, max_model_len=256,
+                             max_num_batched_tokens=5)
+    assert _tiny_bits(chunked, prompts, _prompts(rng, 3, 2, 20)) == alone_bits
+
+
+def test_the_mode_is_refused_where_it_cannot_hold(tiny_qwen3, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DELTASERVE_DETERMINISTIC_GPU", raising=False)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1 or 2"):
+        EngineConfig(model=str(tiny_qwen3), deterministic=True, tensor_parallel_size=4)
+    from common.errors import ExplainedError
+
+    with pytest.raises(ExplainedError, match="torch or triton attention backend"):
+        det.check_deterministic_setup(torch.device("cpu"), "flash-attn")
+    with pytest.raises(ExplainedError, match="CPU only for now"):
+        det.check_deterministic_setup(torch.device("cuda", 0), "auto")

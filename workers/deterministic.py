@@ -20,10 +20,14 @@ The mode swaps those kernels for ones whose per-row result cannot depend on the 
   row's own seed; an argmax is exact in any order), top-k, sorts, counts.
 The KV cache is written once per token, in the model's dtype, by the same code whatever the step.
 
-On a GPU the mode is refused for now: the decode attention kernel picks its split-KV count from the batch, cuBLAS
-its tiles from M, CUDA graphs pad batches, and the fused kernels have their own reductions; their invariant
-replacements are issue 34's next part. The switch is process-wide (each worker sets it once at start-up, like
-`workers.layers.fused.enable_compilation`).
+On a GPU the default kernels vary too: the decode attention kernel picks its split-KV count from the batch,
+cuBLAS its tiles from M, CUDA graphs pad batches, and the fused kernels (torch.compile'd RMSNorm, QK-norm + RoPE +
+KV store, the small-batch GEMV) have their own reductions. The mode's GPU path: the persistent Triton matmul and
+the per-row RMSNorm kernel of `gpu_kernels/batch_invariant.py`, no compiled or fused layers, and every query token
+through the paged prefill kernel with one launch configuration (`deterministic_launch_config`; decode rows too,
+CUDA graphs included). It is written but has not passed its GPU test yet (tests/test_gpu_deterministic.py), so
+the mode refuses a GPU unless DELTASERVE_DETERMINISTIC_GPU=1. The switch is process-wide (each worker sets it once
+at start-up, like `workers.layers.fused.enable_compilation`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ def set_deterministic(enabled: bool) -> None:
     """Set once by the model runner, before the model runs: batch-invariant kernels on or off."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def check_deterministic_setup(device: torch.device, attention_backend: str) -> None:
+    """Raise `ExplainedError` where the mode cannot promise batch invariance: on a GPU (for now), or with the
+    flash-attn backend (FlashAttention's varlen kernels tile queries by the batch's lengths)."""
+    from common import envs
+    from common.errors import ExplainedError
+
+    if device.type == "cuda" and not envs.deterministic_gpu():
+        raise ExplainedError("--deterministic runs on the CPU only for now: its GPU path (the batch-invariant "
+                             "matmul and RMSNorm, one attention kernel and configuration for prefill and decode) "
+                             "has not passed its GPU tests yet; use --device cpu, or leave it off "
+                             "(DELTASERVE_DETERMINISTIC_GPU=1 runs it anyway, for those tests)")
+    if attention_backend == "flash-attn":
+        raise ExplainedError("--deterministic needs the torch or triton attention backend: FlashAttention's "
+                             "varlen kernels are not batch-invariant")
 
 
 def deterministic() -> bool:

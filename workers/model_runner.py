@@ -28,14 +28,13 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, load_hf_config
-from common.errors import ExplainedError
 from common.profiling import PhaseRecorder
 from common.protocol import GrammarCompiled, Logprobs, StepPlan
 from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.cuda_graphs import CUDAGraphRunner
-from workers.deterministic import set_deterministic
+from workers.deterministic import check_deterministic_setup, set_deterministic
 from workers.graph_inputs import TORCH_DTYPES
 from workers.host_buffers import INDEX_INPUTS, UPLOADS, HostBuffers
 from workers.input_batch import InputBatch, StepInputs
@@ -105,12 +104,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype, dist_listen_fd)
         torch.manual_seed(config.seed)
-        if config.deterministic and self.device.type != "cpu":
-            raise ExplainedError("--deterministic runs on the CPU only for now: its GPU kernels (split-KV decode "
-                                 "with a fixed split, one attention path for prefill and decode, a batch-invariant "
-                                 "matmul for every M) are not wired yet; use --device cpu, or leave it off")
+        if config.deterministic:
+            check_deterministic_setup(self.device, config.attention_backend)
         set_deterministic(config.deterministic)
-        enable_compilation(self.device.type == "cuda" and not config.enforce_eager)
+        # The compiled and fused kernels (RMSNorm, QK-norm + RoPE + KV store, the small-batch GEMV) reduce in their
+        # own orders: deterministic mode runs the plain layers, whose reductions are batch-invariant kernels.
+        enable_compilation(self.device.type == "cuda" and not config.enforce_eager and not config.deterministic)
         self.model = model = load_model(config, self.hf_config, self.device, self.dtype)
         self.attn_layers = model.attention_layers()
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype,
