@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype, bf16) or fp8")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic mode (docs/deterministic.md; on a GPU needs DELTASERVE_DETERMINISTIC_GPU=1 "
+                         "for now)")
     ap.add_argument("--filtered", action="store_true",
                     help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     ap.add_argument("--mix", choices=["chat"], default=None,
@@ -152,7 +155,7 @@ def benchmark(args: argparse.Namespace, step_dir: str) -> None:
     llm = LLM(args.model, max_model_len=4096, attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, profile_dir=args.profile_dir,
-              **({"profile_steps": args.profile_steps} if args.profile_dir else {}))
+              deterministic=args.deterministic, **({"profile_steps": args.profile_steps} if args.profile_dir else {}))
     kv_capacity_tokens = llm.info["num_kv_blocks"] * llm.info["block_size"]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     worker_log = os.path.join(step_dir, "worker-tp0.jsonl")
