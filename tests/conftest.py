@@ -179,6 +179,7 @@ def engine_factory() -> Iterator:
 # `--dist loadscope --no-loadscope-reorder` (otherwise the modules with the most tests start first, and those
 # are quick). Unlisted modules keep their order, after these.
 SLOWEST_MODULES_FIRST = [
+    "tests/test_deterministic.py",
     "tests/test_tensor_parallel.py",
     "tests/test_engine_lifecycle.py",
     "tests/test_scenarios_engine.py",
