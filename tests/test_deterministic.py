@@ -26,11 +26,16 @@ MAX_TOKENS = 32
 # ============================================================================ the pieces
 def test_attend_per_query_gives_a_query_the_same_bits_in_any_chunk_and_alone() -> None:
     torch.manual_seed(0)
-    seq_len = 50
+    seq_len = 70
     q, keys, values = (torch.randn(seq_len, 4, 16) for _ in range(3))
     whole = det.attend_per_query(q, keys, values, 0.25)
-    for n in (1, 7, 50):  # the last n tokens as one chunk (n = 1: a decode step)
+    for n in (1, 7, 64):  # the last n tokens as one chunk (n = 1: a decode step)
         assert torch.equal(det.attend_per_query(q[seq_len - n:], keys, values, 0.25), whole[seq_len - n:])
+    # the same sequence prefilled in chunks of 1, 7 and 64 tokens, each chunk over the context so far
+    for size in (1, 7, 64):
+        parts = [det.attend_per_query(q[a: a + size], keys[: min(a + size, seq_len)], values[: min(a + size, seq_len)],
+                                      0.25) for a in range(0, seq_len, size)]
+        assert torch.equal(torch.cat(parts), whole)
     # a query computed earlier, when the context ended at its own position (a recompute after preemption)
     for pos in (0, 20, 33):
         alone = det.attend_per_query(q[pos: pos + 1], keys[: pos + 1], values[: pos + 1], 0.25)
