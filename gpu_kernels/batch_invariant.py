@@ -5,7 +5,7 @@ A GEMM library chooses its tiling, and with it each output's reduction order, fr
 tiles and split-K counts as M grows, and CPU BLAS other kernels (fp32 `F.linear` on MKL gives row 0 other bits at
 M = 1, 2..3 and >= 4). Thinking Machines ("Defeating Nondeterminism in LLM Inference", He et al., 2025) showed that
 this, not atomics, is why a request's logits change with its neighbours, and that kernels with one reduction order
-for every batch fix it; vLLM's `VLLM_BATCH_INVARIANT` and SGLang's deterministic mode use their Triton kernels.
+for every batch fix it; vLLM's `VLLM_BATCH_INVARIANT` and SGLang's deterministic mode build on their Triton kernels.
 
 - `matmul_batch_invariant`: on a GPU a persistent Triton GEMM (`persistent_matmul`): one launch configuration for
   every M (`MatmulConfig`, chosen by dtype alone), no split-K, the K loop in one order, float32 accumulation, one
