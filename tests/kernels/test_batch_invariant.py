@@ -18,12 +18,7 @@ the CPU torch paths run at Qwen3 shapes. The tests marked `gpu` run both kernels
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +37,7 @@ from gpu_kernels.batch_invariant import (  # noqa: E402
     rms_norm_batch_invariant,
     rms_norm_rows,
 )
+from tests.kernels.hopper_compile import run_compile_script  # noqa: E402
 
 BATCH_SIZES = [1, 2, 3, 4, 17, 18, 64, 65]
 EPS = 1e-6
@@ -447,12 +443,7 @@ HOPPER_SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may take on an H10
 
 def test_the_kernels_compile_for_hopper_with_tensor_cores_for_16_bit_inputs() -> None:
     pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    ops = run_compile_script(HOPPER_COMPILE)
 
     # bf16: wgmma fed by cp.async copies (Triton's software pipeline); fp32: IEEE products, no tensor cores.
     assert ops["bf16"]["wgmma.mma_async"] > 0 and ops["bf16"]["cp.async"] > 0

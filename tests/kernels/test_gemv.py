@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,7 @@ from gpu_kernels.gemv import (  # noqa: E402
     gemv,
     silu_and_mul_gemv,
 )
+from tests.kernels.hopper_compile import run_compile_script  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16]
 DTYPE_IDS = ["bf16", "fp16"]
@@ -272,12 +269,7 @@ print(json.dumps({"dot": variant(True, True, True, False, 64, 128),
 
 def test_the_kernels_compile_for_hopper_with_tensor_cores_and_vector_loads() -> None:
     pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    ops = run_compile_script(HOPPER_COMPILE)
 
     # The dot path: wgmma fed by cp.async copies (Triton's software pipeline); the one-row path: 16-byte loads.
     assert ops["dot"]["wgmma.mma_async"] > 0 and ops["dot"]["cp.async"] > 0
