@@ -282,6 +282,16 @@ def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return chunked_linear(x, weight, bias)
 
 
+@triton.jit
+def _load_h(x_row, res_row, offs, H, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """h = x (or round(x + residual) to x's dtype) at `offs` of one row; 0 past H."""
+    h = tl.load(x_row + offs, mask=offs < H, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + offs, mask=offs < H, other=0.0)
+        h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
+    return h
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_res, eps,
                      BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
@@ -296,10 +306,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, H, BLOCK):
         offs = start + cols
-        h = tl.load(x_row + offs, mask=offs < H, other=0.0)
+        h = _load_h(x_row, res_row, offs, H, dtype, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            r = tl.load(res_row + offs, mask=offs < H, other=0.0)
-            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
             tl.store(h_ptr + row * H + offs, h, mask=offs < H)
         h32 = h.to(tl.float32)
         squares += h32 * h32
@@ -307,10 +315,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
     inv_rms = tl.rsqrt(tl.div_rn(tl.sum(squares, axis=0), tl.full((), H, tl.float32)) + eps)
     for start in range(0, H, BLOCK):
         offs = start + cols
-        h = tl.load(x_row + offs, mask=offs < H, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_row + offs, mask=offs < H, other=0.0)
-            h = round_to(h.to(tl.float32) + r.to(tl.float32), dtype)
+        h = _load_h(x_row, res_row, offs, H, dtype, HAS_RESIDUAL)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
         # weight * round(h * inv_rms), rounded: workers/layers/norm.py's two roundings to the model dtype.
         normed = round_to(h.to(tl.float32) * inv_rms, dtype).to(tl.float32)
