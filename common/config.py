@@ -142,6 +142,9 @@ class EngineConfig:
             raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic and self.attention_backend == "flash-attn":
+            raise ConfigError("deterministic needs the torch (CPU) or triton (GPU) attention backend: FlashAttention's "
+                              "varlen kernels are not batch-invariant")
         if self.deterministic and self.tensor_parallel_size > 2:
             # two ranks' partial sums add in one (commutative) operation; three or more in an order that follows
             # how the all-reduce splits the batch's tensor

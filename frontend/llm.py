@@ -225,12 +225,17 @@ class LLM:
         result = result or self._result
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(requests)
+        if isinstance(sampling_params, (str, bytes)):  # a Sequence, but of characters
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        many = isinstance(sampling_params, Sequence)
+        params = list(sampling_params) if many else [sampling_params] * len(requests)
         if len(params) != len(requests):
             raise ValueError(f"{len(params)} sampling parameters for {len(requests)} prompts")
-        if not all(isinstance(sp, SamplingParams) for sp in params):
-            bad = next(sp for sp in params if not isinstance(sp, SamplingParams))
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                where = f"sampling_params[{i}]" if many else "sampling_params"
+                raise TypeError(f"{where} must be SamplingParams, got {type(sp).__name__}")
         index: dict[str, int] = {}  # request id -> prompt index
         results: list[dict[str, Any] | None] = [None] * len(requests)
         valid = []

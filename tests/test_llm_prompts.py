@@ -252,3 +252,15 @@ def test_the_progress_bar_shows_input_and_output_tokens_per_second(
     input_rate, output_rate = float(match.group(1)), float(match.group(2))
     assert input_rate > 0 and output_rate > 0
     assert input_rate / output_rate == pytest.approx(num_input / num_output, rel=0.02)  # over the same elapsed time
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ("greedy", "^sampling_params must be SamplingParams or a list of them, got str$"),
+    ([None], r"^sampling_params\[0\] must be SamplingParams, got NoneType$"),
+    ({"temperature": 0}, "^sampling_params must be SamplingParams, got dict$"),
+])
+def test_sampling_params_of_the_wrong_type_are_named(llm: LLM, params: object, message: str) -> None:  # noqa: F811
+    with pytest.raises(TypeError, match=message):
+        llm.generate(["Hi"], params, use_tqdm=False)
+    with pytest.raises(TypeError, match=message):
+        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)

@@ -105,7 +105,7 @@ class ModelRunner:
         init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype, dist_listen_fd)
         torch.manual_seed(config.seed)
         if config.deterministic:
-            check_deterministic_setup(self.device, config.attention_backend)
+            check_deterministic_setup(self.device)
         set_deterministic(config.deterministic)
         # The compiled and fused kernels (RMSNorm, QK-norm + RoPE + KV store, the small-batch GEMV) reduce in their
         # own orders: deterministic mode runs the plain layers, whose reductions are batch-invariant kernels.
