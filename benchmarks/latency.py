@@ -116,7 +116,8 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
         "batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager and any("cuda" in d for d in info.get("devices", [])),
-        "tp": args.tp, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "tp": args.tp, "deterministic": args.deterministic, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k,
         "min_p": args.min_p, "repetition_penalty": args.repetition_penalty, "logprobs": args.logprobs,
         "latency_s": lat, "ttft_s": percentiles(raw["ttfts"]), "tpot_s": tpot,
         "per_token_latency_s": percentiles(per_token),
@@ -144,7 +145,8 @@ def run_engine(args: argparse.Namespace, step_dir: str) -> list[dict]:
     engine_args = dict(max_model_len=args.input_len + args.output_len, max_num_seqs=max(*args.batch_size, 256),
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device)
+                       tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device,
+                       deterministic=args.deterministic)
     if args.kv_cache_memory_gb is not None:
         engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if args.profile_dir:
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic mode (docs/deterministic.md; on a GPU needs DELTASERVE_DETERMINISTIC_GPU=1 "
+                         "for now)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)

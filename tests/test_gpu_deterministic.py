@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MAX_TOKENS = 32
+_RNG = random.Random(34)
+PROMPTS = [[_RNG.randrange(200, 40000) for _ in range(_RNG.randint(4, 120))] for _ in range(16)]
 
 
 def _bits(out: dict) -> tuple:
@@ -32,31 +36,59 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 
 
-def _models(tiny_qwen3) -> list[str]:
-    demo = os.environ.get("DELTASERVE_TEST_DEMO_MODEL")
-    return [str(tiny_qwen3)] + ([demo] if demo else [])
+@pytest.fixture(scope="module", params=["tiny_qwen3", "demo"])
+def model_dir(request: pytest.FixtureRequest) -> str:
+    if request.param == "demo":
+        demo = os.environ.get("DELTASERVE_TEST_DEMO_MODEL")
+        if not demo:
+            pytest.skip("DELTASERVE_TEST_DEMO_MODEL (a converted SmolLM2 folder) is not set")
+        return demo
+    return str(request.getfixturevalue("tiny_qwen3"))
 
 
-def test_requests_get_the_same_bits_alone_and_in_batches_on_the_gpu(tiny_qwen3, engine_factory,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTASERVE_DETERMINISTIC_GPU", "1")
-    rng = random.Random(34)
-    prompts = [[rng.randrange(200, 40000) for _ in range(rng.randint(4, 120))] for _ in range(16)]
-    for model in _models(tiny_qwen3):
-        llm = engine_factory(model, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
-                             max_num_seqs=256, enable_prefix_caching=False)
-        alone = [_bits(llm.generate([p], _params(i), use_tqdm=False)[0]) for i, p in enumerate(prompts)]
-        for neighbours in (7, 64, 240):
-            others = [[rng.randrange(200, 40000) for _ in range(rng.randint(2, 300))] for _ in range(neighbours)]
-            order = list(range(len(prompts) + neighbours))
-            rng.shuffle(order)
-            batch = prompts + others
-            params = [_params(i) for i in range(len(prompts))] + [
-                SamplingParams(temperature=0.7, max_tokens=rng.randint(1, 60), ignore_eos=True)] * neighbours
-            outs = llm.generate([batch[j] for j in order], [params[j] for j in order], use_tqdm=False)
-            got = {j: o for j, o in zip(order, outs)}
-            assert [_bits(got[i]) for i in range(len(prompts))] == alone, f"{model}: {neighbours} neighbours"
-        chunked = engine_factory(model, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
-                                 max_num_batched_tokens=37, num_kvcache_blocks=64)
-        outs = chunked.generate(prompts, [_params(i) for i in range(len(prompts))], use_tqdm=False)
-        assert [_bits(o) for o in outs] == alone, f"{model}: chunked prefill, preemption, prefix cache"
+@pytest.fixture(scope="module")
+def deterministic_engine(model_dir: str) -> Iterator:
+    """One engine per model for the batch tests (starting one captures CUDA graphs for every bucket), with the 16
+    requests' bits computed alone."""
+    from deltaserve import LLM
+
+    os.environ["DELTASERVE_DETERMINISTIC_GPU"] = "1"
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
+              max_num_seqs=256, enable_prefix_caching=False)
+    print(f"\n[{model_dir}] engine up in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        t0 = time.perf_counter()
+        alone = [_bits(llm.generate([p], _params(i), use_tqdm=False)[0]) for i, p in enumerate(PROMPTS)]
+        print(f"[{model_dir}] 16 requests alone in {time.perf_counter() - t0:.1f} s", flush=True)
+        yield llm, alone
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("neighbours", [7, 64, 240])
+def test_requests_get_the_same_bits_alone_and_among_neighbours(deterministic_engine, neighbours: int) -> None:
+    llm, alone = deterministic_engine
+    rng = random.Random(neighbours)
+    others = [[rng.randrange(200, 40000) for _ in range(rng.randint(2, 300))] for _ in range(neighbours)]
+    order = list(range(len(PROMPTS) + neighbours))
+    rng.shuffle(order)
+    batch = PROMPTS + others
+    params = [_params(i) for i in range(len(PROMPTS))] + [
+        SamplingParams(temperature=0.7, max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in range(neighbours)]
+    t0 = time.perf_counter()
+    outs = llm.generate([batch[j] for j in order], [params[j] for j in order], use_tqdm=False)
+    print(f"\n{neighbours} neighbours in {time.perf_counter() - t0:.1f} s", flush=True)
+    got = {j: o for j, o in zip(order, outs)}
+    assert [_bits(got[i]) for i in range(len(PROMPTS))] == alone
+
+
+def test_chunked_prefill_and_preemption_give_the_same_bits(deterministic_engine, model_dir: str,
+                                                           engine_factory) -> None:
+    _, alone = deterministic_engine
+    t0 = time.perf_counter()
+    chunked = engine_factory(model_dir, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
+                             max_num_batched_tokens=37, num_kvcache_blocks=64)
+    outs = chunked.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    print(f"\nchunked prefill with preemption in {time.perf_counter() - t0:.1f} s", flush=True)
+    assert [_bits(o) for o in outs] == alone
