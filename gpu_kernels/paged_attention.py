@@ -99,7 +99,7 @@ def attend_kv_tile(
     k = k.to(q.dtype)  # widens an fp8 tile (q is then fp16 or fp32: query_for_cache); no-op otherwise
     v = v.to(q.dtype)
 
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tile_dot(q, tl.trans(k), DOT_PRECISION) * scale_log2
     if MASKED:
         scores = tl.where(positions[None, :] <= q_pos[:, None], scores, float("-inf"))
     # Every row has seen at least one finite score by now (tiles run in increasing order from a
@@ -108,13 +108,27 @@ def attend_kv_tile(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products (no TF32 rounding); bf16/fp16 ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(q: torch.Tensor) -> str:
+    """The kernels' DOT_PRECISION for queries `q`: "ieee" for fp32 (exact fp32 products, no TF32 rounding), "tf32"
+    for bf16/fp16 (which ignore it), and "rows" for CPU tensors, which the Triton interpreter runs: there
+    `tile_dot` sums products in numpy instead of calling numpy's matmul, whose BLAS kernels give a row other bits
+    at another position of the tile (OpenBLAS splits a tile's rows over its micro-kernels)."""
+    if q.device.type == "cpu":
+        return "rows"
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def tile_dot(a, b, DOT_PRECISION: tl.constexpr):
+    """`a @ b` in float32 (`[M, K] x [K, N]`); DOT_PRECISION as `dot_precision` returns it."""
+    if DOT_PRECISION == "rows":
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 def check_paged_attention_args(

@@ -373,7 +373,7 @@ def paged_attention_decode(
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q),
         PDL=pdl,
         COMBINE=combine_inline,
         num_warps=num_warps,

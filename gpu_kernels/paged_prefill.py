@@ -213,7 +213,7 @@ def paged_attention_prefill(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q),
         num_warps=num_warps,
         num_stages=num_stages,
     )
