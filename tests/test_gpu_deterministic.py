@@ -55,7 +55,7 @@ def deterministic_engine(model_dir: str) -> Iterator:
     os.environ["DELTASERVE_DETERMINISTIC_GPU"] = "1"
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
-              max_num_seqs=256, enable_prefix_caching=False)
+              max_num_seqs=256, enable_prefix_caching=False, kv_cache_memory_gb=4.0)
     print(f"\n[{model_dir}] engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         t0 = time.perf_counter()

@@ -136,13 +136,32 @@ def host_memory_available() -> int | None:
     return None
 
 
+# The most KV blocks a memory budget is turned into (a forced `num_kvcache_blocks` is taken as given), unless the
+# running sequences could fill more at once (max_num_seqs x blocks of max_model_len). Blocks past what the running
+# sequences hold only keep more of the prefix cache, while each costs the scheduler a Python object and its free-
+# queue links: a 2-layer test model (4 KiB a block) on an H200 made about 30 million blocks, and the scheduler took
+# minutes and gigabytes to start. 2^20 blocks is 16.8 million tokens at block size 16.
+MAX_KV_BLOCKS = 1 << 20
+
+
+def cap_kv_blocks(capacity: int, cfg: EngineConfig) -> int:
+    """`capacity` blocks, at most max(`MAX_KV_BLOCKS`, what max_num_seqs sequences of max_model_len tokens fill)."""
+    limit = max(MAX_KV_BLOCKS, cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
+    if capacity > limit:
+        log.info("the KV cache has room for %d blocks; using %d (more would only extend the prefix cache, and "
+                 "cost the scheduler start-up time and memory)", capacity, limit)
+        return limit
+    return capacity
+
+
 def num_kv_blocks(cfg: EngineConfig, per_block: int, device: torch.device, rank: int,
                   profile_peak_memory: Callable[[], int]) -> int:
     """Blocks this rank can hold: forced (`num_kvcache_blocks`), from a fixed budget, or measured on the GPU.
 
     `per_block`: bytes of one block (`kv_bytes_per_block`). On a GPU, `profile_peak_memory()` runs a warm-up step
     at the largest batch and returns its peak activation bytes; the cache gets `gpu_memory_utilization` of the
-    card minus weights, activations and memory outside torch (CUDA context, NCCL). Raises `ExplainedError` when
+    card minus weights, activations and memory outside torch (CUDA context, NCCL). A budget's count is capped by
+    `cap_kv_blocks`. Raises `ExplainedError` when
     one block exceeds the CPU budget, the CPU cache exceeds the host's available memory, or the forced number of
     blocks does not fit the GPU.
     """
@@ -159,7 +178,7 @@ def num_kv_blocks(cfg: EngineConfig, per_block: int, device: torch.device, rank:
             raise ExplainedError(f"a KV cache of {count(num_blocks, 'block')} ({size}) does not fit in this "
                                  f"host's available memory ({format_bytes(available)}): lower "
                                  "--kv-cache-memory-gb or --num-kvcache-blocks")
-        return num_blocks
+        return cfg.num_kvcache_blocks or cap_kv_blocks(num_blocks, cfg)
     peak_activations = profile_peak_memory()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -178,7 +197,7 @@ def num_kv_blocks(cfg: EngineConfig, per_block: int, device: torch.device, rank:
             raise ExplainedError(f"num_kvcache_blocks {cfg.num_kvcache_blocks} does not fit: this GPU has "
                                  f"room for {count(capacity, 'block')} of {format_bytes(per_block)}")
         return cfg.num_kvcache_blocks
-    return capacity
+    return cap_kv_blocks(capacity, cfg)
 
 
 # ============================================================================ fp8
