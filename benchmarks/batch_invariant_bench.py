@@ -9,8 +9,8 @@ whose 28 layers stream by; launch latency is included for both. The "bits" colum
 has the bits of that row computed alone, for ours (must be yes) and for cuBLAS. The last lines add the layers up as
 one Qwen3-0.6B forward (28 x (qkv + o + gate_up + down) + the LM head) at each M.
 
-`--sweep`: the same forward totals for other launch configurations of ours, each one used for every M, to show
-why `HOPPER_CONFIGS` holds what it does.
+`--sweep`: the same forward totals for other launch configurations of ours (tiles, and K split every 128 to
+4096 features), each one used for every M, to show why `HOPPER_CONFIGS` holds what it does.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ SHAPES = [
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP_CONFIGS = [
-    MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=128, block_k=64, k_split=128, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=128, block_k=64, k_split=256, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=128, block_k=64, k_split=512, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=128, block_k=64, k_split=1024, num_warps=8, num_stages=3),
+    MatmulConfig(block_m=128, block_n=128, block_k=64, k_split=4096, num_warps=8, num_stages=3),  # no split here
     MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
     MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    MatmulConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
-    MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
-    MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3),
 ]
 
 
@@ -76,13 +77,13 @@ def time_layers(batches: list[int], dtype: torch.dtype) -> None:
 def sweep(batches: list[int], dtype: torch.dtype) -> None:
     weights = {(n, k): (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for _, n, k, _ in SHAPES}
     print("\nForward totals (ms) per configuration (block_m x block_n x block_k, warps, stages), each for every M:")
-    print(f"{'config':>22} " + " ".join(f"{'M=' + str(m):>9}" for m in batches))
+    print(f"{'config':>28} " + " ".join(f"{'M=' + str(m):>9}" for m in batches))
     cublas = {m: 0.0 for m in batches}
     for m in batches:
         for _, n, k, count in SHAPES:
             x = torch.randn(m, k, device="cuda").to(dtype)
             cublas[m] += count * microseconds(F.linear, x, weights[(n, k)])
-    print(f"{'cuBLAS':>22} " + " ".join(f"{cublas[m] / 1e3:>9.2f}" for m in batches))
+    print(f"{'cuBLAS':>28} " + " ".join(f"{cublas[m] / 1e3:>9.2f}" for m in batches))
     for config in SWEEP_CONFIGS:
         row = []
         for m in batches:
@@ -91,8 +92,9 @@ def sweep(batches: list[int], dtype: torch.dtype) -> None:
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 total += count * microseconds(persistent_matmul, x, weights[(n, k)], config=config)
             row.append(total)
-        name = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
-        print(f"{name:>22} " + " ".join(f"{t / 1e3:>9.2f}" for t in row))
+        name = (f"{config.block_m}x{config.block_n}x{config.block_k} k{config.k_split} w{config.num_warps} "
+                f"s{config.num_stages}")
+        print(f"{name:>28} " + " ".join(f"{t / 1e3:>9.2f}" for t in row))
 
 
 def main() -> None:

@@ -7,12 +7,14 @@ M = 1, 2..3 and >= 4). Thinking Machines ("Defeating Nondeterminism in LLM Infer
 this, not atomics, is why a request's logits change with its neighbours, and that kernels with one reduction order
 for every batch fix it; vLLM's `VLLM_BATCH_INVARIANT` and SGLang's deterministic mode build on their Triton kernels.
 
-- `matmul_batch_invariant`: on a GPU a persistent Triton GEMM (`persistent_matmul`): one launch configuration for
-  every M (`MatmulConfig`, chosen by dtype alone), no split-K, the K loop in one order, float32 accumulation, one
-  rounding to x's dtype. Element (m, n) is the same sequence of `tl.dot` steps over the same K tiles whatever the
-  tile's other rows hold, and rows past M are never stored. On a CPU, `chunked_linear`: fixed chunks of
-  `CPU_CHUNK_ROWS` rows, zero-padded, each one `F.linear` of the same shape, so BLAS makes the same choice for
-  every chunk.
+- `matmul_batch_invariant`: on a GPU a persistent Triton GEMM (`persistent_matmul`). K is cut into splits at a
+  fixed feature count (never by M); each split is summed by one chain of `tl.dot` steps of a fixed depth, and the
+  split sums are added in order, float32 throughout, rounded once to x's dtype. Those two numbers are fixed per
+  dtype (`HOPPER_CONFIGS`); only the tile follows M. Element (m, n) is the same sequence of float32 operations
+  whatever the tile's shape and other rows, and whether the splits ran in one program (large M) or side by side
+  (small M, where the output tiles alone would leave most SMs idle); rows past M are never stored. On a CPU,
+  `chunked_linear`: fixed chunks of `CPU_CHUNK_ROWS` rows, zero-padded, each one `F.linear` of the same shape, so
+  BLAS makes the same choice for every chunk.
 - `rms_norm_batch_invariant`: on a GPU one program per row with a block fixed by the hidden size
   (`rms_norm_rows`); on a CPU the formula of `workers/layers/norm.py` in chunks of `CPU_CHUNK_ROWS` rows
   (`chunked_rms_norm`): torch's CPU reduction splits one row over threads when the tensor is large and has few
@@ -41,6 +43,7 @@ BATCH_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CPU_CHUNK_ROWS = 16
 _DEFAULT_NUM_SMS = 132  # an H100/H200, where the device cannot be asked (CPU tensors, the interpreter)
 _NORM_MAX_BLOCK = 1024  # features per RMSNorm loop iteration at most
+SPLIT_SUM_BLOCK = 1024  # outputs per program of the kernel that adds split sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class MatmulConfig:
     """The one launch configuration of `persistent_matmul` for a dtype; nothing in it may depend on M.
 
     block_m, block_n, block_k: output rows, output features and input features of a tile (powers of two >= 16).
+    k_split: input features per split of K (a multiple of block_k): each split is summed from zero and the splits'
+        sums added in order, whether one program adds them (large M) or several compute them side by side (small
+        M, where the output tiles alone would leave most SMs idle).
     group_m: row tiles that take their turns on one column of weight tiles, so that column stays in L2.
     num_warps, num_stages: Triton's launch options.
     """
@@ -55,6 +61,7 @@ class MatmulConfig:
     block_m: int
     block_n: int
     block_k: int
+    k_split: int = 256
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
@@ -64,6 +71,9 @@ class MatmulConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {value}")
+        if self.k_split < self.block_k or self.k_split % self.block_k:
+            raise ValueError(f"MatmulConfig.k_split must be a multiple of block_k ({self.block_k}), got "
+                             f"{self.k_split}")
         if self.group_m < 1:
             raise ValueError(f"MatmulConfig.group_m must be >= 1, got {self.group_m}")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
@@ -72,17 +82,40 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# Hopper (H100/H200), for M from 1 to 8192 and N, K from hundreds to tens of thousands. 128 x 128 tiles: two
-# warpgroups (8 warps) each issue wgmma on 64 of the rows, a 64-register float32 accumulator a thread; a 64-deep K
-# step in 3 stages is 3 x 32 KiB of bf16 shared memory, well inside 228 KiB. A large M runs near cuBLAS at this
-# tile; a small M wastes most of the tile's rows (the weight read dominates there) and has only N / 128 tiles to
-# spread over the SMs, the price of one configuration for every M. float32 (no tensor cores, exact IEEE products)
-# halves the K step to keep the same shared memory.
+# Hopper (H100/H200), for M from 1 to 8192 and N, K from hundreds to tens of thousands: a configuration per range
+# of M (`hopper_config`). What fixes an element's arithmetic is shared by all of a dtype's configurations: the K
+# step (block_k, a chain of tl.dot steps) and the split size (k_split). The tile's rows and columns, warps and
+# stages are not part of it: on an H200 (2026-12-06, benchmarks/RESULTS.md) every tile from 16 x 64 with 4
+# warps (mma.sync) to 128 x 256 with 8 warps (wgmma) gave the same bits as 128 x 128 on Qwen3-0.6B's shapes, as
+# both instructions accumulate each output element alone in float32; tests/kernels/test_batch_invariant.py checks it
+# on every GPU run (rows alone use the small tile, batches the large ones). So a decode step's few rows take a tile
+# of 16 rows (the weight read dominates; the 128-row tile multiplied 127 copies of the row for nothing) and narrow
+# columns for more programs; large M the 128 x 128 tile of two warpgroups near cuBLAS. K splits every 512 features:
+# enough work items for the SMs at M = 1 on every Qwen3-0.6B layer, and a split boundary (where a program waits
+# for its tensor cores to add a split's sum) only every 8 K steps at large M. float32 (no tensor cores, IEEE
+# products) halves the K step to keep the same shared memory.
+def _hopper_family(block_k: int) -> tuple[tuple[int, MatmulConfig], ...]:
+    """(largest M, configuration) pairs, in increasing M; the last one has no bound."""
+    return (
+        (16, MatmulConfig(block_m=16, block_n=64, block_k=block_k, k_split=512, num_warps=4, num_stages=4)),
+        (64, MatmulConfig(block_m=64, block_n=128, block_k=block_k, k_split=512, num_warps=4, num_stages=4)),
+        (1 << 62, MatmulConfig(block_m=128, block_n=128, block_k=block_k, k_split=512, num_warps=8, num_stages=3)),
+    )
+
+
 HOPPER_CONFIGS = {
-    torch.bfloat16: MatmulConfig(block_m=128, block_n=128, block_k=64),
-    torch.float16: MatmulConfig(block_m=128, block_n=128, block_k=64),
-    torch.float32: MatmulConfig(block_m=128, block_n=128, block_k=32),
+    torch.bfloat16: _hopper_family(64),
+    torch.float16: _hopper_family(64),
+    torch.float32: _hopper_family(32),
 }
+
+
+def hopper_config(dtype: torch.dtype, m: int) -> MatmulConfig:
+    """The configuration of `HOPPER_CONFIGS[dtype]` for a batch of `m` rows."""
+    for max_m, config in HOPPER_CONFIGS[dtype]:
+        if m <= max_m:
+            return config
+    raise AssertionError("the last configuration has no bound")
 
 
 @functools.cache
@@ -100,6 +133,7 @@ def _persistent_matmul_kernel(
     w_ptr,
     bias_ptr,
     y_ptr,
+    partial_ptr,
     M,
     N,
     K,
@@ -111,19 +145,36 @@ def _persistent_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
 ):
-    # Program p computes output tiles p, p + P, p + 2P, ... (P programs, one per SM); each tile whole, over all of
-    # K in order, so no other program's work ever enters its sums.
+    # The K range is cut at every K_SPLIT features into splits; each split's products are summed from zero by one
+    # chain of tl.dot steps over its K tiles, and the splits' sums are added to a float32 total in increasing
+    # order. Program p takes work items p, p + P, p + 2P, ... (P programs, at most one per SM). Without SPLIT_OUT a
+    # work item is an output tile, all its splits in turn (the total kept in registers); with SPLIT_OUT it is one
+    # split of one tile, whose sum goes to partial[split] for `_split_sum_kernel` to add up in the same order.
+    # Either way an output element is the same sequence of float32 operations, whatever M is and whichever mode ran.
     num_programs = tl.num_programs(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_per_group = GROUP_M * tiles_n
+    num_splits = tl.cdiv(K, K_SPLIT)
+    items = tiles_m * tiles_n * num_splits if SPLIT_OUT else tiles_m * tiles_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, num_programs):
+    for item in range(tl.program_id(0), items, num_programs):
+        if SPLIT_OUT:
+            tile = item // num_splits
+            k_begin = (item % num_splits) * K_SPLIT
+            k_end = tl.minimum(k_begin + K_SPLIT, K)
+        else:
+            tile = item
+            k_begin = 0
+            k_end = K
         group = tile // tiles_per_group
         first_m = group * GROUP_M
         group_size = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -135,26 +186,58 @@ def _persistent_matmul_kernel(
         # each output element sees only its own row of x and column of W.
         x_rows = tl.minimum(rows, M - 1).to(tl.int64)
         w_cols = tl.minimum(cols, N - 1).to(tl.int64)
-        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        w_ptrs = w_ptr + w_cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_begin + offs_k)[None, :] * stride_xk
+        w_ptrs = w_ptr + w_cols[None, :] * stride_wn + (k_begin + offs_k)[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
                 w = tl.load(w_ptrs)
             else:  # the last K tile adds products of zeros, which leave a float32 sum unchanged
                 x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k, other=0.0)
                 w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k, other=0.0)
-            if IEEE_DOT:
+            if INTERPRETED:
+                # numpy's matmul (the interpreter's tl.dot) gives a row other bits at another position in the tile
+                # (OpenBLAS's micro-kernels split the rows); products summed over K by tl.sum, k after k, do not.
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-        tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+            if not SPLIT_OUT:
+                if ((k + BLOCK_K) % K_SPLIT == 0) | (k + BLOCK_K >= K):  # a split ends: its sum joins the total
+                    total += acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        store_mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if SPLIT_OUT:
+            split = item % num_splits
+            p_ptrs = partial_ptr + (split * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(p_ptrs, acc, mask=store_mask)
+        else:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+            tl.store(y_ptrs, round_to(total, y_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(partial_ptr, bias_ptr, y_ptr, M, N, num_splits, stride_ym, BLOCK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    # y = round(((0 + partial[0]) + partial[1]) + ... + bias): the additions of `_persistent_matmul_kernel`'s
+    # in-register total, in the same order.
+    mn = M.to(tl.int64) * N
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < mn
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(0, num_splits):
+        total += tl.load(partial_ptr + split * mn + offs, mask=mask, other=0.0)
+    col = offs % N
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N) * stride_ym + col, round_to(total, y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -184,23 +267,30 @@ def _without_k(m: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: t
 
 
 def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      config: MatmulConfig | None = None, num_programs: int | None = None) -> torch.Tensor:
+                      config: MatmulConfig | None = None, num_programs: int | None = None,
+                      split_out: bool | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` by the persistent Triton kernel, on any device (CPU tensors: the Triton interpreter).
 
     Args:
         x: `[M, K]` bfloat16, float16 or float32, any strides.
         weight: `[N, K]` in x's dtype, any strides (`nn.Linear`'s row-major layout reads fastest).
         bias: `[N]` in x's dtype, or None.
-        config: the launch configuration; None: `HOPPER_CONFIGS[x.dtype]`. Row-invariance holds for any one
-            config, used for every M.
+        config: the launch configuration; None: `hopper_config(x.dtype, M)`. Row-invariance holds for any one
+            config used for every M, and for configurations that differ only in their tile (block_m, block_n,
+            group_m, num_warps, num_stages), as `HOPPER_CONFIGS`' do (see there).
         num_programs: programs of the persistent grid; None: the device's SM count (132 for CPU tensors), capped
-            at the number of tiles. It never changes the result.
+            at the number of work items. It never changes the result.
+        split_out: compute K's splits side by side, each program's split sum to a float32 workspace
+            `[splits, M, N]` that a second kernel adds up (True), or every split of a tile in one program (False).
+            None: side by side where the output tiles are fewer than the programs and K has several splits.
+            It never changes the result either: both add the same split sums in the same order.
 
     Returns:
-        y `[M, N]` contiguous, in x's dtype: float32 sums over K in tiles of `block_k` in increasing order (exact
-        products of 16-bit inputs on tensor cores; IEEE float32 products for float32 and under the interpreter),
-        the bias added in float32, one rounding to nearest even. Row m depends only on x[m], weight, bias and
-        the config.
+        y `[M, N]` contiguous, in x's dtype: per split of `config.k_split` features, float32 sums over K tiles of
+        `block_k` in increasing order (exact products of 16-bit inputs on tensor cores; IEEE float32 products for
+        float32; under the interpreter float32 products summed k after k within a tile); the splits' sums added
+        in order to 0, then the bias, in float32; one rounding to nearest even. Row m depends only on x[m],
+        weight, bias and the config's block_k and k_split.
 
     Raises:
         ValueError: x or weight not 2-D, differing K, a dtype not in `BATCH_INVARIANT_DTYPES` or differing
@@ -213,21 +303,30 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n = weight.shape[0]
     if m == 0 or n == 0 or k == 0:
         return _without_k(m, weight, bias, x.dtype)
-    config = config or HOPPER_CONFIGS[x.dtype]
+    config = config or hopper_config(x.dtype, m)
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(tiles, num_programs or _num_sms(x.device))
+    splits = triton.cdiv(k, config.k_split)
+    max_programs = num_programs or _num_sms(x.device)
+    if split_out is None:
+        split_out = splits > 1 and tiles < max_programs
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split_out else y
+    programs = min(tiles * (splits if split_out else 1), max_programs)
     _persistent_matmul_kernel[(programs,)](
-        x, weight, bias if bias is not None else y, y, m, n, k,
+        x, weight, bias if bias is not None else y, y, partial, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
-        # The interpreter's tl.dot misreads 16-bit operands (it multiplies bfloat16's bits as integers): widened to
-        # float32 there, the products stay exact and the sums float32, as on tensor cores.
-        IEEE_DOT=x.dtype == torch.float32 or x.device.type == "cpu",
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, K_SPLIT=config.k_split,
+        GROUP_M=config.group_m, HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+        # CPU tensors run in the interpreter, whose products are taken in float32 (exact for 16-bit inputs, as on
+        # tensor cores) and summed without numpy's matmul.
+        IEEE_DOT=x.dtype == torch.float32, INTERPRETED=x.device.type == "cpu", SPLIT_OUT=split_out,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if split_out:
+        _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
+            partial, bias if bias is not None else y, y, m, n, splits, y.stride(0), BLOCK=SPLIT_SUM_BLOCK,
+            HAS_BIAS=bias is not None, num_warps=4)
     return y
 
 
@@ -259,7 +358,7 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` whose every row is bitwise the same whatever the batch around it.
 
-    CUDA tensors: `persistent_matmul` with `HOPPER_CONFIGS[x.dtype]`; CPU tensors: `chunked_linear`. The two
+    CUDA tensors: `persistent_matmul` with `hopper_config(x.dtype, M)`; CPU tensors: `chunked_linear`. The two
     paths do not give each other's bits; each gives one row the same bits at every M, position and neighbours.
 
     Args:
@@ -275,7 +374,8 @@ def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             dtypes, tensors on different devices, a bias not `[N]` in x's dtype.
 
     Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025): one tiling for every batch
-    size, no split-K, a persistent grid.
+    size, a persistent grid; K is split here as they split the KV of decode attention, at a fixed size rather
+    than a fixed count, so the split does not follow the batch and small batches still fill the SMs.
     """
     if x.is_cuda:
         return persistent_matmul(x, weight, bias)

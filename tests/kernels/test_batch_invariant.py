@@ -32,6 +32,7 @@ from gpu_kernels.batch_invariant import (  # noqa: E402
     MatmulConfig,
     chunked_linear,
     chunked_rms_norm,
+    hopper_config,
     matmul_batch_invariant,
     persistent_matmul,
     rms_norm_batch_invariant,
@@ -45,9 +46,10 @@ EPS = 1e-6
 # |value| * 2^-bits.
 PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 FLOAT32_UNIT = 2.0**-24
-# Small tiles for the interpreter: N and K below are not multiples of them, M = 65 spans five row tiles, and three
-# programs take the tiles in turns.
-SMALL_TILES = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+# Small tiles for the interpreter: N and K below are not multiples of them, M = 65 spans five row tiles, three
+# programs take the tiles in turns, and K splits every 32 features (K = 40: a split of 32 and one of 8). With three
+# programs a batch of one row tile (M <= 16) computes its splits side by side, a larger one in one program each.
+SMALL_TILES = MatmulConfig(block_m=16, block_n=16, block_k=16, k_split=32, group_m=2, num_warps=4, num_stages=2)
 
 
 def random_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, seed: int
@@ -149,6 +151,33 @@ def test_persistent_matmul_with_the_hopper_configuration_is_the_rounded_float32_
     x, weight, bias = random_inputs(130, 150, 100, torch.bfloat16, with_bias=True, seed=5)
 
     assert_float32_product(persistent_matmul(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("m", "k"), [(1, 40), (3, 96), (17, 200), (65, 33)])
+def test_persistent_matmul_gives_the_same_bits_with_its_splits_side_by_side_or_in_one_program(
+        dtype: torch.dtype, m: int, k: int) -> None:
+    """The two ways to run K's splits add the same split sums in the same order: bitwise equal, bias included (K =
+    33: one split and a tail of one feature; 96: three whole splits)."""
+    x, weight, bias = random_inputs(m, 24, k, dtype, with_bias=True, seed=7 * m + k)
+
+    side_by_side = persistent_matmul(x, weight, bias, config=SMALL_TILES, num_programs=3, split_out=True)
+    in_one = persistent_matmul(x, weight, bias, config=SMALL_TILES, num_programs=3, split_out=False)
+
+    assert torch.equal(side_by_side, in_one)
+    assert_float32_product(side_by_side, x, weight, bias)
+
+
+def test_persistent_matmul_with_the_hopper_configuration_splits_k_the_same_way_at_any_m() -> None:
+    """K = 600 is a split of 512 and a tail of 88: a row alone takes the 16-row tile and runs the splits side by
+    side (4 tiles for 132 programs), a batch of 130 rows the 128-row tile and the splits within a program (2
+    programs): the same bits."""
+    x, weight, _ = random_inputs(130, 200, 600, torch.bfloat16, with_bias=False, seed=11)
+
+    together = persistent_matmul(x, weight, num_programs=2)
+    for i in (0, 64, 129):
+        assert torch.equal(together[i], persistent_matmul(x[i:i + 1], weight)[0]), f"row {i}"
+    assert_float32_product(together, x, weight, None)
 
 
 def test_persistent_matmul_reads_any_strides() -> None:
@@ -259,8 +288,18 @@ def test_matmul_config_refuses_a_block_that_is_not_a_power_of_two() -> None:
         MatmulConfig(block_m=64, block_n=64, block_k=48)
 
 
-def test_every_dtype_has_one_hopper_configuration() -> None:
+def test_matmul_config_refuses_a_k_split_that_cuts_a_k_tile() -> None:
+    with pytest.raises(ValueError, match=r"k_split must be a multiple of block_k \(64\), got 96"):
+        MatmulConfig(block_m=64, block_n=64, block_k=64, k_split=96)
+
+
+def test_every_dtype_s_hopper_configurations_share_their_k_step_and_split_and_cover_every_m() -> None:
     assert set(HOPPER_CONFIGS) == {torch.bfloat16, torch.float16, torch.float32}
+    for dtype, family in HOPPER_CONFIGS.items():
+        assert len({(config.block_k, config.k_split) for _, config in family}) == 1, dtype
+        bounds = [max_m for max_m, _ in family]
+        assert bounds == sorted(bounds) and bounds[-1] >= 1 << 31
+        assert hopper_config(dtype, 1) is family[0][1] and hopper_config(dtype, 1 << 20) is family[-1][1]
 
 
 # ============================================================================================ RMSNorm
@@ -420,23 +459,28 @@ def compiled(fn, signature, constexprs, num_warps, num_stages=3, aligned=()):
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
-    ops = ("wgmma.mma_async", "cp.async", "div.rn.f32", "rsqrt.approx")
+    ops = ("wgmma.mma_async", "mma.sync", "cp.async", "div.rn.f32", "rsqrt.approx")
     return {"shared": kernel.metadata.shared, **{op: len(re.findall(re.escape(op), ptx)) for op in ops}}
 
-def matmul(dtype, ty):
-    config = b.HOPPER_CONFIGS[dtype]
-    signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "M": "i32", "N": "i32", "K": "i32",
-                 "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+def matmul(dtype, ty, config, split_out):
+    signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "partial_ptr": "*fp32", "M": "i32",
+                 "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
     constexprs = {"stride_xk": 1, "stride_wk": 1, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                  "BLOCK_K": config.block_k, "GROUP_M": config.group_m, "HAS_BIAS": True, "EVEN_K": False,
-                  "IEEE_DOT": dtype == torch.float32}
-    aligned = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+                  "BLOCK_K": config.block_k, "K_SPLIT": config.k_split, "GROUP_M": config.group_m, "HAS_BIAS": True,
+                  "EVEN_K": True, "IEEE_DOT": dtype == torch.float32, "INTERPRETED": False,
+                  "SPLIT_OUT": split_out}
+    aligned = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "partial_ptr", "N", "K", "stride_xm", "stride_wn",
+               "stride_ym")
     return compiled(b._persistent_matmul_kernel, signature, constexprs, config.num_warps, config.num_stages, aligned)
 
 norm_signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*bf16",
                   "H": "i32", "stride_x": "i32", "stride_res": "i32", "eps": "fp32"}
-print(json.dumps({"bf16": matmul(torch.bfloat16, "*bf16"), "fp32": matmul(torch.float32, "*fp32"),
-                  "norm": compiled(b._rms_norm_kernel, norm_signature, {"BLOCK": 1024, "HAS_RESIDUAL": True}, 4)}))
+ops = {"norm": compiled(b._rms_norm_kernel, norm_signature, {"BLOCK": 1024, "HAS_RESIDUAL": True}, 4)}
+for dtype, ty, name in ((torch.bfloat16, "*bf16", "bf16"), (torch.float32, "*fp32", "fp32")):
+    for max_m, config in b.HOPPER_CONFIGS[dtype]:
+        for split_out in (False, True):
+            ops[f"{name}-m{config.block_m}{'-split-out' if split_out else ''}"] = matmul(dtype, ty, config, split_out)
+print(json.dumps(ops))
 """
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may take on an H100 or H200
 
@@ -445,10 +489,17 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_for_16_bit_inputs() ->
     pytest.importorskip("triton.backends.nvidia")
     ops = run_compile_script(HOPPER_COMPILE)
 
-    # bf16: wgmma fed by cp.async copies (Triton's software pipeline); fp32: IEEE products, no tensor cores.
-    assert ops["bf16"]["wgmma.mma_async"] > 0 and ops["bf16"]["cp.async"] > 0
-    assert ops["fp32"]["wgmma.mma_async"] == 0
-    assert max(ops["bf16"]["shared"], ops["fp32"]["shared"]) <= HOPPER_SHARED_MEMORY_BYTES
+    # bf16: tensor cores (wgmma from 64-row tiles, mma.sync for the 16-row one) fed by cp.async copies (Triton's
+    # software pipeline), whether a program adds its splits (the branch at each split's end inside the K loop) or
+    # writes one split out; fp32: IEEE products, no tensor cores.
+    matmuls = {name: counts for name, counts in ops.items() if name != "norm"}
+    assert len(matmuls) == 12
+    for name, counts in matmuls.items():
+        tensor_core_ops = counts["wgmma.mma_async"] + counts["mma.sync"]
+        assert tensor_core_ops > 0 if name.startswith("bf16") else tensor_core_ops == 0, name
+        assert counts["cp.async"] > 0, name
+        assert counts["shared"] <= HOPPER_SHARED_MEMORY_BYTES, name
+    assert ops["bf16-m128"]["wgmma.mma_async"] > 0 and ops["bf16-m16"]["mma.sync"] > 0
     # The norm's mean square divided as torch divides (rounded to nearest), then the hardware's rsqrt.
     assert ops["norm"]["div.rn.f32"] == 1 and ops["norm"]["rsqrt.approx"] == 1
 
@@ -484,6 +535,24 @@ def test_matmul_on_a_gpu_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dty
         assert not differing.any(), f"M={m}: {int(differing.sum())} rows differ from the row alone"
         cublas_differing = int((F.linear(pool[order], weight) != cublas_alone[order]).any(dim=1).sum())
         print(f"{dtype} {n}x{k} M={m}: cuBLAS rows differing from alone: {cublas_differing} of {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("dtype", "n", "k"), GPU_CASES,
+                         ids=[f"{str(d)[6:]}-{n}x{k}" for d, n, k in GPU_CASES])
+def test_every_tile_of_a_dtype_s_configurations_gives_the_same_bits(dtype: torch.dtype, n: int, k: int) -> None:
+    """What `HOPPER_CONFIGS` rests on: its configurations differ only in their tiles (and warps, stages), which
+    must not change an element's arithmetic. 300 rows by each configuration, splits side by side and within a
+    program: bitwise equal."""
+    generator = torch.Generator(device="cuda").manual_seed(3 * n + k)
+    x = torch.randn(300, k, device="cuda", generator=generator).to(dtype)
+    weight = (torch.randn(n, k, device="cuda", generator=generator) * k**-0.5).to(dtype)
+    results = {(config.block_m, split_out): persistent_matmul(x, weight, config=config, split_out=split_out)
+               for _, config in HOPPER_CONFIGS[dtype] for split_out in (False, True)}
+    first = next(iter(results.values()))
+    for key, y in results.items():
+        assert torch.equal(y, first), f"tile rows, splits side by side {key}: {int((y != first).sum())} differ"
 
 
 @pytest.mark.gpu
