@@ -5,7 +5,7 @@ forward as a CUDA graph, sampling, the whole step (synchronous, and pipelined as
 it), and the kernels of the CUDA-graph forward and of one eager decode step from torch.profiler.
 
     python benchmarks/profile_step.py --model DIR [--batch 256] [--context 600] [--attention-backend triton] [--tp 1]
-                                      [--filtered]
+                                      [--filtered] [--deterministic]
 
 `--filtered`: every request sets top_p=0.9, top_k=50, repetition_penalty=1.1 and logprobs=5, so every row
 goes through the logits processing (workers/logits_processing.py); the sampling line then times that
@@ -13,6 +13,8 @@ processing plus the sampler and the logprobs, and says its share of the pipeline
 
 With `--tp N` each rank runs in its own process on GPU `rank` (all run the same steps, rank 0 prints);
 the kernel table then shows what a rank spends on its shard and on the all-reduces.
+`--deterministic`: the batch-invariant kernels of deterministic mode (workers/deterministic.py; sets
+DELTASERVE_DETERMINISTIC_GPU=1), to see what each costs against the default kernels.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def main() -> None:
                     help="also run the pipelined steps under cProfile and print where the host's time goes")
     ap.add_argument("--filtered", action="store_true",
                     help="requests set top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
+    ap.add_argument("--deterministic", action="store_true", help="deterministic mode's batch-invariant kernels")
     args = ap.parse_args()
+    if args.deterministic:
+        os.environ["DELTASERVE_DETERMINISTIC_GPU"] = "1"
     if args.tp == 1:
         profile_rank(0, args, "tcp://127.0.0.1:0")
         return
@@ -76,7 +81,8 @@ def main() -> None:
 def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
     b, ctx, bs = args.batch, args.context, 16
     cfg = EngineConfig(model=args.model, max_model_len=4096, max_num_seqs=b, cuda_graph_sizes=(b,), block_size=bs,
-                       attention_backend=args.attention_backend, tensor_parallel_size=args.tp).resolve()
+                       attention_backend=args.attention_backend, tensor_parallel_size=args.tp,
+                       deterministic=args.deterministic).resolve()
     runner = ModelRunner(cfg, rank, dist_init)
     say = print if rank == 0 else (lambda *a, **k: None)
     per_seq = -(-(ctx + 200) // bs)
@@ -144,7 +150,7 @@ def profile_rank(rank: int, args: argparse.Namespace, dist_init: str) -> None:
 
     filtered_ms = cuda_ms(processed_sampling) if processing is not None else None
     say(f"batch {b}, context ~{ctx}, backend {runner.backend.name}, dtype {runner.dtype}"
-        f"{', filtered requests' if args.filtered else ''}")
+        f"{', filtered requests' if args.filtered else ''}{', deterministic' if args.deterministic else ''}")
     say(f"model forward (CUDA graph)   {forward_ms:7.3f} ms")
     say(f"host time of graph.replay()  {statistics.median(idle_launch) * 1e3:7.3f} ms on an idle device, "
         f"{statistics.median(busy_launch) * 1e3:.3f} ms behind another replay")

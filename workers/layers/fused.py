@@ -22,6 +22,8 @@ from typing import TypeVar
 
 import torch
 
+from workers.deterministic import deterministic
+
 F = TypeVar("F", bound=Callable)
 _enabled = False
 _forced = False
@@ -37,6 +39,15 @@ def fused_kernels_enabled(x: torch.Tensor) -> bool:
     """Whether a Triton fusion replaces the unfused layers for tensor `x`: compilation is on and `x`
     is on a GPU, or the fusions are forced (tests)."""
     return _forced or (_enabled and x.is_cuda)
+
+
+def qk_norm_rope_store_fused(x: torch.Tensor) -> bool:
+    """Whether the fused QK-norm + RoPE + KV-store kernel (`gpu_kernels/rope_kv_store.py`) replaces those layers for
+    the qkv projection output `x`: wherever the fused kernels are on, and in deterministic mode on a GPU too. It is
+    batch-invariant: one program per token and head, whose norm sums one head in a block fixed by the head size,
+    the rest element-wise; in its place deterministic mode ran about 14 small kernels a layer (RoPE in float32
+    pieces, the concatenations, the store): 0.6 ms of a 3.1 ms batch-1 step on Qwen3-0.6B (H200, 2026-12-06)."""
+    return fused_kernels_enabled(x) or (x.is_cuda and deterministic())
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from workers.attention.base import AttentionMetadata
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.fused import fused_kernels_enabled
+from workers.layers.fused import qk_norm_rope_store_fused
 from workers.layers.gemv_prologue import fuses_into_gemv, norm_then_linear, silu_and_mul_then_linear
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`forward` from the qkv projection's output `[T, (Hq + 2*Hk) * D]` on."""
-        if fused_kernels_enabled(qkv):
+        if qk_norm_rope_store_fused(qkv):
             return self.o_proj(self.attn.attend(self._norm_rope_store_fused(positions, qkv, meta), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
