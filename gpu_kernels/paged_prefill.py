@@ -47,6 +47,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     # Program (seq, q_block, kv_head) owns BLOCK_Q query tokens of one sequence times the GROUP
     # query heads of one KV head: row r is token q_block * BLOCK_Q + r // GROUP, head r % GROUP.
@@ -85,8 +86,14 @@ def _paged_prefill_kernel(
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head * HEAD_DIM
     kv_end = context_len + last_q + 1
-    # Tiles wholly at or before the first query's position need no causal mask.
-    unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
+    # Tiles wholly at or before the first query's position need no causal mask. Which tiles those are depends on
+    # the program's first query, so MASK_EVERY_TILE (deterministic mode) sends every tile down the masked path:
+    # the two paths round differently (the compiler may fuse the scale into the exponent's subtraction only where
+    # no mask stands between them), and a token must get the same bits in any chunk and in decode.
+    if MASK_EVERY_TILE:
+        unmasked_end = 0
+    else:
+        unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
     for tile_start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile_start, kv_end, block_table_row_ptr, k_cache_ptr, v_cache_ptr,
@@ -143,6 +150,7 @@ def paged_attention_prefill(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     launch_config: tuple[int, int, int, int] | None = None,
+    mask_every_tile: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over the paged KV cache.
 
@@ -165,6 +173,9 @@ def paged_attention_prefill(
             cache in q's dtype.
         launch_config: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) in place of the tuned one
             (`deterministic_launch_config`: the same for every step, so a query's arithmetic is too).
+        mask_every_tile: run every KV tile through the causal-mask path, also those every query of the program
+            sees whole (deterministic mode: a query's arithmetic then does not depend on the query tile it
+            shares, so on how its prompt was chunked or whether it is a decode row). A little slower.
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -214,6 +225,7 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q),
+        MASK_EVERY_TILE=mask_every_tile,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -49,13 +49,15 @@ def model_dir(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def deterministic_engine(model_dir: str) -> Iterator:
     """One engine per model for the batch tests (starting one captures CUDA graphs for every bucket), with the 16
-    requests' bits computed alone."""
+    requests' bits computed alone. 8,192 KV blocks hold every batch below at once: the tests' scheduler checks its
+    block accounting every step (tests/conftest.py), which at a memory budget's count (a million blocks of the
+    tiny model's 4 KiB) took a third of a second a step."""
     from deltaserve import LLM
 
     os.environ["DELTASERVE_DETERMINISTIC_GPU"] = "1"
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", deterministic=True, max_model_len=1024,
-              max_num_seqs=256, enable_prefix_caching=False, kv_cache_memory_gb=4.0)
+              max_num_seqs=256, enable_prefix_caching=False, num_kvcache_blocks=8192)
     print(f"\n[{model_dir}] engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         t0 = time.perf_counter()

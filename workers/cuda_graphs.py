@@ -163,7 +163,7 @@ class CUDAGraphRunner:
                                io.sparse.scratch_rows)
         out = processed_sample(logits, params, g["seeds"][:bs], workspace=fused.workspace, penalties=fused.penalties,
                                bitmask=io.bitmask, sparse=sparse, last_sampled=self.last_sampled,
-                               num_top=GRAPH_NUM_TOP)
+                               num_top=GRAPH_NUM_TOP, chunk_size=fused.chunk_size)
         fused.penalties.record(params.ints[:, I_STATE_ROW], out.tokens)
         self.last_sampled.index_copy_(0, g["sampling_rows"][:bs], out.tokens)
         g["tokens"][:bs].copy_(out.tokens)

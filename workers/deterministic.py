@@ -64,6 +64,20 @@ def deterministic() -> bool:
     return _enabled
 
 
+def sampling_chunk_size(vocab: int, tile_size: int, device: torch.device) -> int | None:
+    """The vocabulary chunk of the fused processed sampler (`gpu_kernels.processed_sampling.processed_sample`)
+    in deterministic mode on a GPU; None (the sampler's own choice) elsewhere. The sampler picks smaller chunks for
+    fewer rows, to fill the SMs, and its float sums over a row's chunks (the top-p masses, the kept mass of a
+    logprob row) then add in another grouping: a logprob moved with the batch size. Fixed here at the choice for
+    one row, which every batch size then uses (more programs per pass at large batches)."""
+    if not (_enabled and device.type == "cuda"):
+        return None
+    from gpu_kernels.processed_sampling import choose_processed_chunk_size
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return choose_processed_chunk_size(1, vocab, sms, tile_size)
+
+
 def row_reduce(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`reduce(x)` for a reduction over the last dimension of `x` `[R, V]` (e.g. `torch.logsumexp(t, dim=-1)`),
     returning `[R]`. In deterministic mode on a CPU each row is reduced by its own call: torch's CPU reductions

@@ -29,6 +29,7 @@ from gpu_kernels.processed_sampling import (
     processed_sample,
 )
 from gpu_kernels.sampling_inputs import I_STATE_ROW, PenaltyBits, from_processing
+from workers.deterministic import sampling_chunk_size
 from workers.host_buffers import to_device
 from workers.logits_processing import ProcessingInputs, worst_case_inputs
 
@@ -58,6 +59,8 @@ class FusedSampling:
         self.workspace = ProcessedSamplingWorkspace(device, vocab_size, max_scratch_rows=max_num_seqs,
                                                     **workspace_options)
         self.penalties = PenaltyBits(device, max_num_seqs, vocab_size)
+        # None: the sampler sizes its vocabulary chunks by the batch; a fixed size in deterministic mode.
+        self.chunk_size = sampling_chunk_size(vocab_size, self.workspace.tile_size, device)
 
     def sample(self, logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray | None,
                processing: ProcessingInputs, bitmask: torch.Tensor | None, last_sampled: torch.Tensor
@@ -79,7 +82,7 @@ class FusedSampling:
         out = processed_sample(logits, params, seeds_dev, workspace=self.workspace,
                                penalties=self.penalties if penalized else None, bitmask=bitmask,
                                sparse=sparse if sparse.num_scratch_rows else None, last_sampled=last_sampled,
-                               num_top=min(num_top, MAX_TOP))
+                               num_top=min(num_top, MAX_TOP), chunk_size=self.chunk_size)
         if penalized:
             self.penalties.record(params.ints[:, I_STATE_ROW], out.tokens)
         return out.tokens, self._logprobs(out, processing)

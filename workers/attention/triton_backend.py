@@ -1,6 +1,6 @@
 """Attention with our own Triton kernels (`gpu_kernels/`): KV store, varlen paged prefill, split-KV decode;
 over a cache in the model's dtype or an fp8 (e4m3fn) one. In deterministic mode (workers/deterministic.py) the
-prefill kernel serves decode rows too, with one launch configuration."""
+prefill kernel serves decode rows too, with one launch configuration and every KV tile on its masked path."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
             config = deterministic_launch_config(q.shape[1] // k_cache.shape[2])
             return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, meta.max_query_len, scale, k_scale=k_scale,
-                                           v_scale=v_scale, launch_config=config)
+                                           v_scale=v_scale, launch_config=config, mask_every_tile=True)
         if meta.is_decode:
             return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale)
