@@ -30,6 +30,21 @@ def _bits(out: dict) -> tuple:
                   for e in sample["logprobs"]))
 
 
+def _assert_same_bits(got: list[tuple], alone: list[tuple]) -> None:
+    """Each request's bits equal its bits alone; the message names, per differing request, the first token and
+    the first logprob entry that differ."""
+    problems = []
+    for i, (g, a) in enumerate(zip(got, alone)):
+        if g == a:
+            continue
+        token = next((j for j, (x, y) in enumerate(zip(g[0], a[0])) if x != y), None)
+        entry = next((j for j, (x, y) in enumerate(zip(g[1], a[1])) if x != y), None)
+        problems.append(f"request {i} ({'greedy' if i % 2 == 0 else 'seeded'}): first token differing {token}, "
+                        f"first logprob entry differing {entry}: {g[1][entry] if entry is not None else ''} "
+                        f"vs alone {a[1][entry] if entry is not None else ''}")
+    assert not problems, f"{len(problems)} of {len(alone)} requests differ:\n" + "\n".join(problems)
+
+
 def _params(i: int) -> SamplingParams:
     if i % 2 == 0:
         return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
@@ -82,7 +97,7 @@ def test_requests_get_the_same_bits_alone_and_among_neighbours(deterministic_eng
     outs = llm.generate([batch[j] for j in order], [params[j] for j in order], use_tqdm=False)
     print(f"\n{neighbours} neighbours in {time.perf_counter() - t0:.1f} s", flush=True)
     got = {j: o for j, o in zip(order, outs)}
-    assert [_bits(got[i]) for i in range(len(PROMPTS))] == alone
+    _assert_same_bits([_bits(got[i]) for i in range(len(PROMPTS))], alone)
 
 
 def test_chunked_prefill_and_preemption_give_the_same_bits(deterministic_engine, model_dir: str,
@@ -93,4 +108,4 @@ def test_chunked_prefill_and_preemption_give_the_same_bits(deterministic_engine,
                              max_num_batched_tokens=37, num_kvcache_blocks=64)
     outs = chunked.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
     print(f"\nchunked prefill with preemption in {time.perf_counter() - t0:.1f} s", flush=True)
-    assert [_bits(o) for o in outs] == alone
+    _assert_same_bits([_bits(o) for o in outs], alone)
