@@ -214,3 +214,16 @@ def test_the_mode_is_refused_where_it_cannot_hold(tiny_qwen3, monkeypatch: pytes
     with pytest.raises(ExplainedError, match="CPU only for now"):
         det.check_deterministic_setup(torch.device("cuda", 0))
     det.check_deterministic_setup(torch.device("cpu"))  # no error
+
+
+def test_the_sampler_keeps_its_own_chunk_size_outside_deterministic_mode_and_off_a_gpu() -> None:
+    """`sampling_chunk_size` fixes the fused sampler's vocabulary chunk only in deterministic mode on a GPU (its
+    value there is checked by tests/test_gpu_deterministic.py's engine runs); None lets the sampler choose."""
+    saved = det.deterministic()
+    try:
+        det.set_deterministic(False)
+        assert det.sampling_chunk_size(151936, 256, torch.device("cpu")) is None
+        det.set_deterministic(True)
+        assert det.sampling_chunk_size(151936, 256, torch.device("cpu")) is None
+    finally:
+        det.set_deterministic(saved)

@@ -481,6 +481,38 @@ def test_real_vocabulary_in_a_cuda_graph_matches_the_reference(batch: int) -> No
     np.testing.assert_allclose(eager.logprobs[check].cpu().numpy(), ref.logprobs, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels at the real size: needs a CUDA GPU")
+def test_at_a_fixed_chunk_size_a_row_gets_the_same_bits_alone_and_in_a_batch_of_256() -> None:
+    """Deterministic mode's sampler (workers/deterministic.py `sampling_chunk_size`): the chunk size of one row for
+    every batch, so the float sums over a row's chunks group alike. 16 rows of every filter type computed alone and
+    among 240 others: tokens, thresholds, logprobs and top logprobs bitwise equal. With the default chunk size (which
+    follows the batch) the number of rows whose logprobs differ is printed, not asserted."""
+    from gpu_kernels.processed_sampling import choose_processed_chunk_size
+
+    vocab, batch = 151936, 256
+    names = list(FILTER_ROWS)
+    rows = {f"{names[i % len(names)]} {i}": FILTER_ROWS[names[i % len(names)]] for i in range(batch)}
+    logits = bf16_logits(batch, vocab, 34, scale=3.0)
+    params = filter_params(vocab, rows)
+    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    ws = ProcessedSamplingWorkspace("cuda", vocab)
+    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
+    fixed = choose_processed_chunk_size(1, vocab, sms, ws.tile_size)
+    for chunk in (fixed, None):
+        together = processed_sample(logits, params, seeds, workspace=ws, num_top=5, chunk_size=chunk)
+        differing = 0
+        for r in range(16):
+            alone = processed_sample(logits[r: r + 1], ProcessedParams(params.floats[r: r + 1], params.ints[r: r + 1]),
+                                     seeds[r: r + 1], workspace=ws, num_top=5, chunk_size=chunk)
+            same = all(torch.equal(getattr(alone, name)[0], getattr(together, name)[r])
+                       for name in ("tokens", "thresholds", "logprobs", "top_logprobs", "top_ids"))
+            if chunk is not None:
+                assert same, f"row {r} ({names[r % len(names)]}) differs alone and in the batch"
+            differing += not same
+        print(f"chunk size {chunk or 'by the batch'}: {differing} of 16 rows differ alone and in a batch of {batch}")
+
+
 # A fresh process compiles every kernel of a real-size call for sm90 (no GPU needed: Triton ships ptxas), since in
 # this one they are interpreted, and the interpreter accepts code the compiler refuses (a name bound to tensors of
 # two shapes in the branches of an `if`, say). The launches are recorded instead of run.
