@@ -11,6 +11,8 @@
 #            kernel against cuBLAS per layer, and batch-1 latency with cuBLAS alone                    (~5 min)
 #   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
 #   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
+#   deterministic  issue 34's GPU tests, then throughput and batch-1 latency with and without --deterministic,
+#            profile_step --deterministic at batch 1 and 256, the batch-invariant matmul bench         (~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -88,6 +90,30 @@ timeout 300 python3 benchmarks/serving.py --launch "$ckpt" --num-prompts 20 --in
     --max-concurrency 1 --json "$out/serving-batch1.json" 2>&1 | tee "$out/serving-batch1.log"
 timeout 300 python3 benchmarks/serving.py --offline "$ckpt" --num-prompts 20 --input-len 512 --output-len 128 \
     --max-concurrency 1 --json "$out/offline-batch1.json" 2>&1 | tee "$out/offline-batch1.log"
+fi
+if want deterministic; then
+# Issue 34: the GPU tests of deterministic mode first (kernels, the sampler at a fixed chunk, the engine alone
+# against batches, chunked prefill and preemption), then its price: the reference workload and batch-1 latency
+# with and without --deterministic one after the other, where a deterministic step's time goes, and the
+# batch-invariant matmul against cuBLAS per layer.
+export DELTASERVE_DETERMINISTIC_GPU=1
+timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_deterministic.py \
+    tests/kernels/test_batch_invariant.py tests/kernels/test_processed_sampling.py -k "deterministic or bits or \
+    fixed_chunk or neighbours or preemption" 2>&1 | tee "$out/deterministic-tests.log"
+for flag in "" --deterministic; do
+  timeout 150 python3 benchmarks/throughput.py --model "$ckpt" $flag --json "$out/throughput$flag.json" 2>&1 \
+      | tee "$out/throughput$flag.log"
+  timeout 120 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 --output-len 512 --batch-size 1 \
+      --num-iters-warmup 2 --num-iters 5 --temperature 0.6 $flag --json "$out/latency-batch1$flag.json" 2>&1 \
+      | tee "$out/latency-batch1$flag.log"
+done
+for b in 1 256; do
+  timeout 100 python3 benchmarks/profile_step.py --model "$ckpt" --batch $b --context 600 --deterministic 2>&1 \
+      | tee "$out/profile-step-deterministic-$b.log"
+done
+timeout 150 python3 benchmarks/batch_invariant_bench.py --batches 1 8 64 256 2048 2>&1 \
+    | tee "$out/batch-invariant-bench.log"
+unset DELTASERVE_DETERMINISTIC_GPU
 fi
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
 if want multigpu && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
