@@ -148,7 +148,8 @@ class EngineConfig:
         if self.deterministic and self.tensor_parallel_size > 2:
             # two ranks' partial sums add in one (commutative) operation; three or more in an order that follows
             # how the all-reduce splits the batch's tensor
-            raise ConfigError(f"deterministic needs tensor_parallel_size 1 or 2, got {self.tensor_parallel_size}")
+            raise ConfigError(f"deterministic needs tensor_parallel_size (--tensor-parallel-size) 1 or 2, got "
+                              f"{self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash-attn":
@@ -176,7 +177,8 @@ class EngineConfig:
 
         Raises `ConfigError` for an unsupported architecture, a `max_model_len` beyond the model's
         positions, or a tensor-parallel size that does not split every sharded dimension
-        (`tensor_parallel_errors`), or a `profile_dir` that cannot be created, before any worker starts.
+        (`tensor_parallel_errors`), a `profile_dir` that cannot be created, or a CUDA device or GPU attention
+        backend this host lacks, before any worker starts.
         """
         if self.profile_dir:
             from common.envs import usable_folder
@@ -200,6 +202,7 @@ class EngineConfig:
                               f"supported: set max_model_len <= {window}")
         if max_model_len > model_max:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
+        self._check_device()
         tp_errors = tensor_parallel_errors(hf, self.tensor_parallel_size)
         if tp_errors:
             raise ConfigError(f"{self.model}/config.json cannot be split over {self.tensor_parallel_size} "
@@ -212,6 +215,24 @@ class EngineConfig:
             vocab_size=int(hf.vocab_size),
             eos_token_ids=tuple(eos),
         )
+
+    def _check_device(self) -> None:
+        """Refuse, before any process starts, a CUDA device or a GPU attention backend this host cannot give (the
+        workers would find out only after starting). Imports torch only where one is asked for."""
+        if self.device != "cuda" and self.attention_backend not in ("triton", "flash-attn"):
+            return
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda:
+            raise ConfigError("device 'cuda' was requested but CUDA is not available on this host")
+        if self.device == "cpu" or not cuda:
+            if self.attention_backend == "flash-attn":
+                raise ConfigError("the flash-attn attention backend needs a CUDA device; on a CPU use the torch "
+                                  "backend (attention_backend auto)")
+            if self.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ConfigError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for "
+                                  "tests); on a CPU use the torch backend (attention_backend auto)")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -205,7 +205,7 @@ def test_triton_attention_gives_the_same_bits_in_decode_and_in_any_prefill_chunk
 
 def test_the_mode_is_refused_where_it_cannot_hold(tiny_qwen3, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DELTASERVE_DETERMINISTIC_GPU", raising=False)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1 or 2"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size \(--tensor-parallel-size\) 1 or 2"):
         EngineConfig(model=str(tiny_qwen3), deterministic=True, tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="torch \\(CPU\\) or triton \\(GPU\\) attention backend"):
         EngineConfig(model=str(tiny_qwen3), deterministic=True, attention_backend="flash-attn")

@@ -45,9 +45,24 @@ def test_a_cpu_kv_cache_that_cannot_be_had_is_refused_with_the_option_to_change(
         LLM(str(tiny_qwen3), device="cpu", **options)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 @pytest.mark.parametrize(("options", "message"), [
-    pytest.param(["--device", "cuda"], "device 'cuda' was requested but CUDA is not available",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")),
+    (["--device", "cuda"], "--device 'cuda' was requested but CUDA is not available on this host"),
+    (["--attention-backend", "triton"], "the triton attention backend needs a CUDA device"),
+    (["--device", "cpu", "--attention-backend", "flash-attn"], "the flash-attn attention backend needs a CUDA device"),
+])
+def test_a_device_this_host_lacks_is_refused_before_anything_starts(
+        tiny_qwen3: Path, options: list[str], message: str) -> None:
+    """Found by a fresh user's trial: these were refused by the worker, after 13-20 s of starting processes."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_qwen3), *options, "--prompt", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"launch.py: error: {message}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("options", "message"), [
     (["--device", "cpu", "--kv-cache-memory-gb", "100000"], "does not fit in this host's available memory"),
 ])
 def test_an_anticipated_start_failure_is_one_clear_line_not_a_traceback(
