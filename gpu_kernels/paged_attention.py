@@ -112,12 +112,13 @@ def attend_kv_tile(
     return acc, m_new, l_i
 
 
-def dot_precision(q: torch.Tensor) -> str:
+def dot_precision(q: torch.Tensor, exact_rows: bool = False) -> str:
     """The kernels' DOT_PRECISION for queries `q`: "ieee" for fp32 (exact fp32 products, no TF32 rounding), "tf32"
-    for bf16/fp16 (which ignore it), and "rows" for CPU tensors, which the Triton interpreter runs: there
-    `tile_dot` sums products in numpy instead of calling numpy's matmul, whose BLAS kernels give a row other bits
-    at another position of the tile (OpenBLAS splits a tile's rows over its micro-kernels)."""
-    if q.device.type == "cpu":
+    for bf16/fp16 (which ignore it). With `exact_rows` (deterministic mode), "rows" for CPU tensors, which the
+    Triton interpreter runs: there `tile_dot` sums products in numpy instead of calling numpy's matmul, whose BLAS
+    kernels give a row other bits at another position of the tile (OpenBLAS splits a tile's rows over its
+    micro-kernels). Only where bits are compared: it is many times slower than the matmul."""
+    if exact_rows and q.device.type == "cpu":
         return "rows"
     return "ieee" if q.dtype == torch.float32 else "tf32"
 

@@ -175,7 +175,8 @@ def paged_attention_prefill(
             (`deterministic_launch_config`: the same for every step, so a query's arithmetic is too).
         mask_every_tile: run every KV tile through the causal-mask path, also those every query of the program
             sees whole (deterministic mode: a query's arithmetic then does not depend on the query tile it
-            shares, so on how its prompt was chunked or whether it is a decode row). A little slower.
+            shares, so on how its prompt was chunked or whether it is a decode row). A little slower. Under the
+            Triton interpreter (CPU tensors) the tiles are then multiplied without numpy's matmul (`dot_precision`).
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -224,7 +225,7 @@ def paged_attention_prefill(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q),
+        DOT_PRECISION=dot_precision(q, exact_rows=mask_every_tile),
         MASK_EVERY_TILE=mask_every_tile,
         num_warps=num_warps,
         num_stages=num_stages,
