@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_kernels.paged_attention import tile_dot
 from gpu_kernels.rounding import round_to
 
 BATCH_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -200,7 +201,7 @@ def _persistent_matmul_kernel(
             if INTERPRETED:
                 # numpy's matmul (the interpreter's tl.dot) gives a row other bits at another position in the tile
                 # (OpenBLAS's micro-kernels split the rows); products summed over K by tl.sum, k after k, do not.
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+                acc += tile_dot(x, w, "rows")
             elif IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:

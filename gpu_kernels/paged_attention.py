@@ -125,7 +125,8 @@ def dot_precision(q: torch.Tensor, exact_rows: bool = False) -> str:
 
 @triton.jit
 def tile_dot(a, b, DOT_PRECISION: tl.constexpr):
-    """`a @ b` in float32 (`[M, K] x [K, N]`); DOT_PRECISION as `dot_precision` returns it."""
+    """`a @ b` in float32 (`[M, K] x [K, N]`); DOT_PRECISION as `dot_precision` returns it ("rows" is also what
+    `gpu_kernels/batch_invariant.py`'s matmul uses under the interpreter)."""
     if DOT_PRECISION == "rows":
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
