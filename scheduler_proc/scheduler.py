@@ -198,14 +198,12 @@ class Scheduler:
         num_scheduled = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
-        # This loop runs for every running request each step (256 rows at full batch): `_wants_tokens` is written
-        # out, and the free blocks are counted only when the request lacks blocks.
-        # `_advance` is written out too, and the free blocks counted only where blocks are lacking: at 256 decode
-        # rows, schedule() went from 0.37 to about 0.2 ms (benchmarks/plan_size.py, the 2-core CI machine).
+        # This loop runs for every running request each step (256 rows at full batch): `_wants_tokens` and
+        # `_advance` are written out, and the free blocks are counted only when the request lacks blocks: at 256
+        # decode rows, schedule() went from 0.37 to about 0.2 ms (benchmarks/plan_size.py, the 2-core CI machine).
         running = self.running
         max_model_len = self.config.max_model_len
         block_size = self.config.block_size
-        free_blocks = bm.free_block_ids
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -218,7 +216,7 @@ class Scheduler:
             if n > budget:
                 n = budget
             need = bm.num_new_blocks(seq, computed + n)
-            if need and need > len(free_blocks):
+            if need and need > bm.num_free_blocks:
                 while need > bm.num_free_blocks and running[-1] is not seq:
                     preempted_ids.append(self._preempt(running[-1]))
                 if need > bm.num_free_blocks:  # `seq` is now the newest running request
