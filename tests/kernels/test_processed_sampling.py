@@ -451,6 +451,14 @@ def test_bad_inputs_are_refused() -> None:
         processed_sample(logits, plain, seeds, workspace=workspace(vocab + 1))
 
 
+def real_vocabulary_batch(batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, ProcessedParams, torch.Tensor]:
+    """`batch` rows on the GPU cycling through every row type of FILTER_ROWS: bf16 logits, parameters, seeds."""
+    names = list(FILTER_ROWS)
+    rows = {f"{names[i % len(names)]} {i}": FILTER_ROWS[names[i % len(names)]] for i in range(batch)}
+    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    return bf16_logits(batch, vocab, seed, scale=3.0), filter_params(vocab, rows), seeds
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels at the real size: needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [256, 1])
@@ -459,11 +467,7 @@ def test_real_vocabulary_in_a_cuda_graph_matches_the_reference(batch: int) -> No
     captured in a CUDA graph and replayed: the replay equals the eager call and the reference (kept sets exact
     up to the GPU's exp/log and FMA rounding: the token must be kept and the logprobs within 1e-3)."""
     vocab = 151936
-    names = list(FILTER_ROWS)
-    rows = {f"{names[i % len(names)]} {i}": FILTER_ROWS[names[i % len(names)]] for i in range(batch)}
-    logits = bf16_logits(batch, vocab, 16, scale=3.0)
-    params = filter_params(vocab, rows)
-    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    logits, params, seeds = real_vocabulary_batch(batch, vocab, seed=16)
     ws = ProcessedSamplingWorkspace("cuda", vocab)
     eager = processed_sample(logits, params, seeds, workspace=ws, num_top=5)
     graph = torch.cuda.CUDAGraph()
@@ -488,17 +492,19 @@ def test_at_a_fixed_chunk_size_a_row_gets_the_same_bits_alone_and_in_a_batch_of_
     every batch, so the float sums over a row's chunks group alike. 16 rows of every filter type computed alone and
     among 240 others: tokens, thresholds, logprobs and top logprobs bitwise equal. With the default chunk size (which
     follows the batch) the number of rows whose logprobs differ is printed, not asserted."""
-    from gpu_kernels.processed_sampling import choose_processed_chunk_size
+    from workers import deterministic as det
 
     vocab, batch = 151936, 256
     names = list(FILTER_ROWS)
-    rows = {f"{names[i % len(names)]} {i}": FILTER_ROWS[names[i % len(names)]] for i in range(batch)}
-    logits = bf16_logits(batch, vocab, 34, scale=3.0)
-    params = filter_params(vocab, rows)
-    seeds = torch.randint(0, 2**62, (batch,), device="cuda")
+    logits, params, seeds = real_vocabulary_batch(batch, vocab, seed=34)
     ws = ProcessedSamplingWorkspace("cuda", vocab)
-    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
-    fixed = choose_processed_chunk_size(1, vocab, sms, ws.tile_size)
+    saved = det.deterministic()
+    det.set_deterministic(True)
+    try:
+        fixed = det.sampling_chunk_size(vocab, ws.tile_size, torch.device("cuda"))
+    finally:
+        det.set_deterministic(saved)
+    assert fixed is not None
     for chunk in (fixed, None):
         together = processed_sample(logits, params, seeds, workspace=ws, num_top=5, chunk_size=chunk)
         differing = 0
