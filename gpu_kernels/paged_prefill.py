@@ -47,7 +47,6 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr,
 ):
     # Program (seq, q_block, kv_head) owns BLOCK_Q query tokens of one sequence times the GROUP
     # query heads of one KV head: row r is token q_block * BLOCK_Q + r // GROUP, head r % GROUP.
@@ -86,14 +85,8 @@ def _paged_prefill_kernel(
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head * HEAD_DIM
     kv_end = context_len + last_q + 1
-    # Tiles wholly at or before the first query's position need no causal mask. Which tiles those are depends on
-    # the program's first query, so MASK_EVERY_TILE (deterministic mode) sends every tile down the masked path:
-    # the two paths round differently (the compiler may fuse the scale into the exponent's subtraction only where
-    # no mask stands between them), and a token must get the same bits in any chunk and in decode.
-    if MASK_EVERY_TILE:
-        unmasked_end = 0
-    else:
-        unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
+    # Tiles wholly at or before the first query's position need no causal mask.
+    unmasked_end = (context_len + first_q + 1) // BLOCK_N * BLOCK_N
     for tile_start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile_start, kv_end, block_table_row_ptr, k_cache_ptr, v_cache_ptr,
@@ -114,18 +107,6 @@ def _paged_prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
     )
-
-
-# Deterministic mode (workers/deterministic.py) runs every query token through this kernel, decode rows too, with
-# this configuration: a query's keys are visited in the same BLOCK_N tiles from position 0 on, and its rows of
-# q . k and p . v come from dot products of one shape, whichever step and chunk it is in. A tile past the query's
-# position adds exact zeros (p = 0, rescale by exp2(0) = 1), so a tile shared with later queries changes nothing.
-# MIN_DOT_ROWS (16, the smallest tl.dot) query rows, or the GQA group if larger, keep a decode row (one token's
-# query heads of one KV head) from computing a 128-row tile.
-def deterministic_launch_config(group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of every step of a model whose KV heads serve `group` query heads
-    each, in deterministic mode."""
-    return max(MIN_DOT_ROWS, triton.next_power_of_2(group)), 64, 4, 2
 
 
 def _prefill_launch_config(group: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -149,8 +130,6 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    launch_config: tuple[int, int, int, int] | None = None,
-    mask_every_tile: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over the paged KV cache.
 
@@ -171,12 +150,6 @@ def paged_attention_prefill(
         out: optional `[num_tokens, num_q_heads, head_dim]` output in q's dtype.
         k_scale, v_scale: an fp8 cache's dequantization scales (key = code * k_scale); 1.0 for a
             cache in q's dtype.
-        launch_config: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) in place of the tuned one
-            (`deterministic_launch_config`: the same for every step, so a query's arithmetic is too).
-        mask_every_tile: run every KV tile through the causal-mask path, also those every query of the program
-            sees whole (deterministic mode: a query's arithmetic then does not depend on the query tile it
-            shares, so on how its prompt was chunked or whether it is a decode row). A little slower. Under the
-            Triton interpreter (CPU tensors) the tiles are then multiplied without numpy's matmul (`dot_precision`).
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; accumulation is fp32.
@@ -199,7 +172,7 @@ def paged_attention_prefill(
     group = num_q_heads // num_kv_heads
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    block_m, block_n, num_warps, num_stages = launch_config or _prefill_launch_config(group, head_dim)
+    block_m, block_n, num_warps, num_stages = _prefill_launch_config(group, head_dim)
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_prefill_kernel[grid](
@@ -225,8 +198,7 @@ def paged_attention_prefill(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q, exact_rows=mask_every_tile),
-        MASK_EVERY_TILE=mask_every_tile,
+        DOT_PRECISION=dot_precision(q),
         num_warps=num_warps,
         num_stages=num_stages,
     )
