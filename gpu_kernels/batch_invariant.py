@@ -36,6 +36,7 @@ import triton.language as tl
 
 from gpu_kernels.paged_attention import tile_dot
 from gpu_kernels.rounding import round_to
+from gpu_kernels.split_counters import split_counters
 
 BATCH_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows per CPU chunk. At M <= 16 a chunk reads the weight once, as M = 1 would, so a decode step pays for the
@@ -44,7 +45,6 @@ BATCH_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CPU_CHUNK_ROWS = 16
 _DEFAULT_NUM_SMS = 132  # an H100/H200, where the device cannot be asked (CPU tensors, the interpreter)
 _NORM_MAX_BLOCK = 1024  # features per RMSNorm loop iteration at most
-SPLIT_SUM_BLOCK = 1024  # outputs per program of the kernel that adds split sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,7 @@ def _persistent_matmul_kernel(
     bias_ptr,
     y_ptr,
     partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -158,8 +159,9 @@ def _persistent_matmul_kernel(
     # chain of tl.dot steps over its K tiles, and the splits' sums are added to a float32 total in increasing
     # order. Program p takes work items p, p + P, p + 2P, ... (P programs, at most one per SM). Without SPLIT_OUT a
     # work item is an output tile, all its splits in turn (the total kept in registers); with SPLIT_OUT it is one
-    # split of one tile, whose sum goes to partial[split] for `_split_sum_kernel` to add up in the same order.
-    # Either way an output element is the same sequence of float32 operations, whatever M is and whichever mode ran.
+    # split of one tile, whose sum goes to partial[split]; the program that stores a tile's last split to arrive
+    # (gpu_kernels/split_counters.py) adds the tile's partials up in split order. Either way an output element is
+    # the same sequence of float32 operations, whatever M is, whichever mode ran and whichever split came last.
     num_programs = tl.num_programs(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -213,32 +215,26 @@ def _persistent_matmul_kernel(
                     total += acc
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         store_mask = (rows < M)[:, None] & (cols < N)[None, :]
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
         if SPLIT_OUT:
             split = item % num_splits
             p_ptrs = partial_ptr + (split * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(p_ptrs, acc, mask=store_mask)
+            # All of this program's partial is stored before its one thread's release of the tile's counter.
+            tl.debug_barrier()
+            if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
+                # Every split's partial is visible (acquire); .cg reads them from L2, past this SM's L1.
+                for s in range(0, num_splits):
+                    p_ptrs = partial_ptr + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+                    total += tl.load(p_ptrs, mask=store_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
+                tl.store(y_ptrs, round_to(total, y_ptr.dtype.element_ty), mask=store_mask)
+                tl.store(counter_ptr + tile, 0)  # no other program of this launch touches it again
         else:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
-            y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
             tl.store(y_ptrs, round_to(total, y_ptr.dtype.element_ty), mask=store_mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_sum_kernel(partial_ptr, bias_ptr, y_ptr, M, N, num_splits, stride_ym, BLOCK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
-    # y = round(((0 + partial[0]) + partial[1]) + ... + bias): the additions of `_persistent_matmul_kernel`'s
-    # in-register total, in the same order.
-    mn = M.to(tl.int64) * N
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < mn
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(0, num_splits):
-        total += tl.load(partial_ptr + split * mn + offs, mask=mask, other=0.0)
-    col = offs % N
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + (offs // N) * stride_ym + col, round_to(total, y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -282,9 +278,9 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         num_programs: programs of the persistent grid; None: the device's SM count (132 for CPU tensors), capped
             at the number of work items. It never changes the result.
         split_out: compute K's splits side by side, each program's split sum to a float32 workspace
-            `[splits, M, N]` that a second kernel adds up (True), or every split of a tile in one program (False).
-            None: side by side where the output tiles are fewer than the programs and K has several splits.
-            It never changes the result either: both add the same split sums in the same order.
+            `[splits, M, N]` that the last of a tile's programs to finish adds up (True), or every split of a tile in
+            one program (False). None: side by side where the output tiles are fewer than the programs and K has
+            several splits. It never changes the result either: both add the same split sums in the same order.
 
     Returns:
         y `[M, N]` contiguous, in x's dtype: per split of `config.k_split` features, float32 sums over K tiles of
@@ -297,7 +293,8 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         ValueError: x or weight not 2-D, differing K, a dtype not in `BATCH_INVARIANT_DTYPES` or differing
             dtypes, tensors on different devices, a bias not `[N]` in x's dtype.
 
-    Reads no tensor value on the host, so it can be captured in a CUDA graph.
+    Reads no tensor value on the host, so it can be captured in a CUDA graph once an eager call on the device has
+    allocated the split counters (`gpu_kernels/split_counters.py`; the model runner's warm-up makes one).
     """
     _check_matmul(x, weight, bias)
     m, k = x.shape
@@ -313,9 +310,11 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if split_out is None:
         split_out = splits > 1 and tiles < max_programs
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split_out else y
+    # None splits above max_programs tiles unless asked to; reserve that many counters on the first call.
+    counters = split_counters(x.device, tiles, "batch-invariant matmul", max_programs) if split_out else y
     programs = min(tiles * (splits if split_out else 1), max_programs)
     _persistent_matmul_kernel[(programs,)](
-        x, weight, bias if bias is not None else y, y, partial, m, n, k,
+        x, weight, bias if bias is not None else y, y, partial, counters, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, K_SPLIT=config.k_split,
         GROUP_M=config.group_m, HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
@@ -324,10 +323,6 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         IEEE_DOT=x.dtype == torch.float32, INTERPRETED=x.device.type == "cpu", SPLIT_OUT=split_out,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split_out:
-        _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
-            partial, bias if bias is not None else y, y, m, n, splits, y.stride(0), BLOCK=SPLIT_SUM_BLOCK,
-            HAS_BIAS=bias is not None, num_warps=4)
     return y
 
 

@@ -463,8 +463,9 @@ def compiled(fn, signature, constexprs, num_warps, num_stages=3, aligned=()):
     return {"shared": kernel.metadata.shared, **{op: len(re.findall(re.escape(op), ptx)) for op in ops}}
 
 def matmul(dtype, ty, config, split_out):
-    signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "partial_ptr": "*fp32", "M": "i32",
-                 "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "partial_ptr": "*fp32",
+                 "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                 "stride_ym": "i32"}
     constexprs = {"stride_xk": 1, "stride_wk": 1, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "K_SPLIT": config.k_split, "GROUP_M": config.group_m, "HAS_BIAS": True,
                   "EVEN_K": True, "IEEE_DOT": dtype == torch.float32, "INTERPRETED": False,
