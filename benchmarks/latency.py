@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--deterministic", action="store_true",
-                    help="deterministic mode (docs/deterministic.md; on a GPU needs DELTASERVE_DETERMINISTIC_GPU=1 "
-                         "for now)")
+                    help="deterministic mode (docs/deterministic.md)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)

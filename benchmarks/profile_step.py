@@ -13,8 +13,8 @@ processing plus the sampler and the logprobs, and says its share of the pipeline
 
 With `--tp N` each rank runs in its own process on GPU `rank` (all run the same steps, rank 0 prints);
 the kernel table then shows what a rank spends on its shard and on the all-reduces.
-`--deterministic`: the batch-invariant kernels of deterministic mode (workers/deterministic.py; sets
-DELTASERVE_DETERMINISTIC_GPU=1), to see what each costs against the default kernels.
+`--deterministic`: the batch-invariant kernels of deterministic mode (workers/deterministic.py), to see what each
+costs against the default kernels.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ def main() -> None:
                     help="requests set top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     ap.add_argument("--deterministic", action="store_true", help="deterministic mode's batch-invariant kernels")
     args = ap.parse_args()
-    if args.deterministic:
-        os.environ["DELTASERVE_DETERMINISTIC_GPU"] = "1"
     if args.tp == 1:
         profile_rank(0, args, "tcp://127.0.0.1:0")
         return

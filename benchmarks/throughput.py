@@ -127,8 +127,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype, bf16) or fp8")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--deterministic", action="store_true",
-                    help="deterministic mode (docs/deterministic.md; on a GPU needs DELTASERVE_DETERMINISTIC_GPU=1 "
-                         "for now)")
+                    help="deterministic mode (docs/deterministic.md)")
     ap.add_argument("--filtered", action="store_true",
                     help="every request also sets top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5")
     ap.add_argument("--mix", choices=["chat"], default=None,

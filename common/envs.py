@@ -164,12 +164,6 @@ def decode_inline_combine() -> bool:
     return _flag("DELTASERVE_DECODE_INLINE_COMBINE")
 
 
-def deterministic_gpu() -> bool:
-    """DELTASERVE_DETERMINISTIC_GPU: let `--deterministic` run on a GPU before its GPU path has passed its GPU tests
-    (issue 34; workers/deterministic.py); for those tests and for trying it (default off: the mode refuses a GPU)."""
-    return _flag("DELTASERVE_DETERMINISTIC_GPU")
-
-
 def eager_sampling() -> bool:
     """DELTASERVE_EAGER_SAMPLING: sample decode steps outside their CUDA graph, the LM head and the sampler launched
     one by one (default off: a decode step whose rows need no logits processing runs its LM head and sampler in a

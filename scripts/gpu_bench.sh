@@ -96,7 +96,6 @@ if want deterministic; then
 # against batches, chunked prefill and preemption), then its price: the reference workload and batch-1 latency
 # with and without --deterministic one after the other, where a deterministic step's time goes, and the
 # batch-invariant matmul against cuBLAS per layer.
-export DELTASERVE_DETERMINISTIC_GPU=1
 timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_deterministic.py \
     tests/kernels/test_batch_invariant.py tests/kernels/test_processed_sampling.py -k "deterministic or bits or \
     fixed_chunk or neighbours or preemption" 2>&1 | tee "$out/deterministic-tests.log"
@@ -113,7 +112,6 @@ for b in 1 256; do
 done
 timeout 150 python3 benchmarks/batch_invariant_bench.py --batches 1 8 64 256 2048 2>&1 \
     | tee "$out/batch-invariant-bench.log"
-unset DELTASERVE_DETERMINISTIC_GPU
 fi
 # Two GPUs or more: the all-reduce table and the 8B-shaped TP=1 against TP=2 run of RESULTS.md.
 if want multigpu && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

@@ -23,11 +23,11 @@ The KV cache is written once per token, in the model's dtype, by the same code w
 On a GPU the default kernels vary too: the decode attention kernel picks its split-KV count from the batch,
 cuBLAS its tiles from M, CUDA graphs pad batches, and the fused kernels (torch.compile'd RMSNorm, QK-norm + RoPE +
 KV store, the small-batch GEMV) have their own reductions. The mode's GPU path: the persistent Triton matmul and
-the per-row RMSNorm kernel of `gpu_kernels/batch_invariant.py`, no compiled or fused layers, and every query token
-through the paged prefill kernel with one launch configuration (`deterministic_launch_config`; decode rows too,
-CUDA graphs included). It is written but has not passed its GPU test yet (tests/test_gpu_deterministic.py), so
-the mode refuses a GPU unless DELTASERVE_DETERMINISTIC_GPU=1. The switch is process-wide (each worker sets it once
-at start-up, like `workers.layers.fused.enable_compilation`).
+the per-row RMSNorm kernel of `gpu_kernels/batch_invariant.py`, the batch-invariant fused QK-norm + RoPE + KV
+store, and every query token (prefill and decode rows, CUDA graphs included) through
+`gpu_kernels/deterministic_attention.py`, whose splits of a fixed size in tokens are folded in one order, in place
+or split-parallel for a small decode step (tests/test_gpu_deterministic.py checks the bits on a GPU). The switch is
+process-wide (each worker sets it once at start-up, like `workers.layers.fused.enable_compilation`).
 """
 
 from __future__ import annotations
@@ -43,20 +43,6 @@ def set_deterministic(enabled: bool) -> None:
     """Set once by the model runner, before the model runs: batch-invariant kernels on or off."""
     global _enabled
     _enabled = bool(enabled)
-
-
-def check_deterministic_setup(device: torch.device) -> None:
-    """Raise `ExplainedError` where the mode cannot promise batch invariance yet: on a GPU, until its GPU test has
-    passed (DELTASERVE_DETERMINISTIC_GPU=1 runs it anyway). `EngineConfig` refuses the flash-attn backend and TP
-    above 2 before any process starts."""
-    from common import envs
-    from common.errors import ExplainedError
-
-    if device.type == "cuda" and not envs.deterministic_gpu():
-        raise ExplainedError("--deterministic runs on the CPU only for now: its GPU path (the batch-invariant "
-                             "matmul and RMSNorm, one attention kernel and configuration for prefill and decode) "
-                             "has not passed its GPU tests yet; use --device cpu, or leave it off "
-                             "(DELTASERVE_DETERMINISTIC_GPU=1 runs it anyway, for those tests)")
 
 
 def deterministic() -> bool:

@@ -34,7 +34,7 @@ from common.units import count, format_bytes
 from workers.attention import create_attention_backend
 from workers.attention.base import AttentionMetadata
 from workers.cuda_graphs import CUDAGraphRunner
-from workers.deterministic import check_deterministic_setup, set_deterministic
+from workers.deterministic import set_deterministic
 from workers.graph_inputs import TORCH_DTYPES
 from workers.host_buffers import INDEX_INPUTS, UPLOADS, HostBuffers
 from workers.input_batch import InputBatch, StepInputs
@@ -104,8 +104,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         init_tensor_parallel(rank, config.tensor_parallel_size, dist_init, self.device, self.dtype, dist_listen_fd)
         torch.manual_seed(config.seed)
-        if config.deterministic:
-            check_deterministic_setup(self.device)
         set_deterministic(config.deterministic)
         # The compiled and fused kernels (RMSNorm, QK-norm + RoPE + KV store, the small-batch GEMV) reduce in their
         # own orders: deterministic mode runs the plain layers, whose reductions are batch-invariant kernels.
