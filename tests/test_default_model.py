@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -39,3 +41,30 @@ def test_converted_checkpoint_answers_in_transformers_and_in_deltaserve_with_the
     assert out.token_ids == ref_ids  # ends with the end-of-turn token, like transformers' generate
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+
+
+def test_launches_starting_together_convert_the_demo_model_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes needing the model at once (two launches, two test workers): the second waits on the cache's
+    lock, then finds the first one's result, instead of downloading and converting it a second time."""
+    import multiprocessing
+    import os
+
+    from frontend import default_model
+
+    monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path))
+    calls = tmp_path / "calls"
+
+    def fake_fetch_and_convert(target: str, verbose: bool) -> None:
+        with open(calls, "a") as f:
+            f.write("x")
+        time.sleep(0.5)  # long enough for the other process to reach the lock
+        os.makedirs(target)
+        for name in ("model.safetensors", "config.json"):
+            open(os.path.join(target, name), "w").close()
+
+    monkeypatch.setattr(default_model, "_fetch_and_convert", fake_fetch_and_convert)
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        folders = pool.map(default_model.ensure_default_model, [False, False])
+    assert folders == [default_model.default_model_dir()] * 2
+    assert calls.read_text() == "x"
