@@ -11,6 +11,9 @@ one Qwen3-0.6B forward (28 x (qkv + o + gate_up + down) + the LM head) at each M
 
 `--sweep`: the same forward totals for other launch configurations of ours (tiles, and K split every 128 to
 4096 features), each one used for every M, to show why `HOPPER_CONFIGS` holds what it does.
+`--small-sweep`: at M = 1 and 8 (a decode step of few rows), the forward totals of other tiles, warps and stages of
+the K split every 512 features, each with the persistent grid at 1, 2 and 4 programs per SM; "bits" says whether
+every layer's output equals the default configuration's (it must: only the tile and the grid differ).
 """
 
 from __future__ import annotations
@@ -97,16 +100,45 @@ def sweep(batches: list[int], dtype: torch.dtype) -> None:
         print(f"{name:>28} " + " ".join(f"{t / 1e3:>9.2f}" for t in row))
 
 
+SMALL_TILES = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 64, 4, 6), (16, 128, 4, 4), (16, 64, 2, 4), (16, 32, 2, 6)]
+
+
+def small_sweep(dtype: torch.dtype) -> None:
+    weights = {(n, k): (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for _, n, k, _ in SHAPES}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block_k = HOPPER_CONFIGS[dtype][0][1].block_k
+    print("\nSmall batches: forward totals (ms), K split 512; tile block_m x block_n, warps, stages; programs per SM")
+    for m in (1, 8):
+        xs = {k: torch.randn(m, k, device="cuda").to(dtype) for _, _, k, _ in SHAPES}
+        reference = {(n, k): persistent_matmul(xs[k], w) for (n, k), w in weights.items()}
+        for block_m, block_n, warps, stages in SMALL_TILES:
+            config = MatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, k_split=512, num_warps=warps,
+                                  num_stages=stages)
+            for per_sm in (1, 2, 4):
+                total, same = 0.0, True
+                for _, n, k, count in SHAPES:
+                    args = (xs[k], weights[(n, k)])
+                    total += count * microseconds(persistent_matmul, *args, config=config, num_programs=per_sm * sms)
+                    same &= torch.equal(persistent_matmul(*args, config=config, num_programs=per_sm * sms),
+                                        reference[(n, k)])
+                print(f"  M={m} {block_m}x{block_n} w{warps} s{stages} x{per_sm}: {total / 1e3:6.3f} ms, bits "
+                      f"{'same' if same else 'DIFFER'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    parser.add_argument("--small-sweep", action="store_true", help="also time small-batch tiles and grid sizes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, our configuration {HOPPER_CONFIGS[dtype]}")
+    if args.small_sweep:
+        small_sweep(dtype)
+        return
     time_layers(args.batches, dtype)
     if args.sweep:
         sweep(args.batches, dtype)
