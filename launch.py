@@ -124,7 +124,7 @@ def build_parser() -> ArgumentParser:
                         "answer; a structured-output constraint then applies to the answer (vLLM's names)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's logits are bitwise the same whatever else is in its "
-                        "batch, so greedy and seeded requests repeat exactly (CPU only for now; docs/deterministic.md)")
+                        "batch, so greedy and seeded requests repeat exactly (CPU or GPU; docs/deterministic.md)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
