@@ -36,7 +36,7 @@ from gpu_kernels.paged_attention import (
     attend_kv_tile,
     check_paged_attention_args,
     dot_precision,
-    query_for_cache,
+    load_query_tile,
 )
 
 SPLIT_TOKENS = 128
@@ -128,17 +128,10 @@ def _deterministic_attention_kernel(
     else:
         split_end = tl.cdiv(kv_end, SPLIT_TOKENS)
 
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = first_q + rows // GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx <= last_q)
-    q_pos = context_len + q_idx  # of padding rows too; their outputs are never stored
-    heads = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, BLOCK_D)
-    token = (q_start + q_idx).to(tl.int64)
-    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-                mask=io_mask, other=0.0)
-    q = query_for_cache(q, k_cache_ptr)
+    q, q_pos, row_valid, heads, dims, token, io_mask = load_query_tile(
+        q_ptr, k_cache_ptr, q_start, first_q, last_q, context_len, kv_head, stride_q_token, stride_q_head,
+        GROUP, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM,
+    )
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     kv_head_offset = kv_head * HEAD_DIM
 

@@ -47,6 +47,28 @@ def query_for_cache(q, k_cache_ptr):
 
 
 @triton.jit
+def load_query_tile(q_ptr, k_cache_ptr, q_start, first_q, last_q, context_len, kv_head, stride_q_token,
+                    stride_q_head, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The `[BLOCK_M, BLOCK_D]` query tile of a program owning queries `first_q .. last_q` of one sequence (its
+    queries start at row `q_start` of q, after `context_len` earlier positions) times the GROUP query heads of
+    `kv_head`: row r is query `first_q + r // GROUP`, head `kv_head * GROUP + r % GROUP`. Returns (q as
+    `query_for_cache` gives it, q_pos `[BLOCK_M]` each row's position, row_valid, heads, dims, token (each row's
+    int64 row of q and of the output), io_mask); padding rows load zeros and are never to be stored."""
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx <= last_q)
+    q_pos = context_len + q_idx  # of padding rows too; their outputs are never stored
+    heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, BLOCK_D)
+    token = (q_start + q_idx).to(tl.int64)
+    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+                mask=io_mask, other=0.0)
+    return query_for_cache(q, k_cache_ptr), q_pos, row_valid, heads, dims, token, io_mask
+
+
+@triton.jit
 def attend_kv_tile(
     acc,
     m_i,

@@ -15,7 +15,7 @@ from gpu_kernels.paged_attention import (
     attend_kv_tile,
     check_paged_attention_args,
     dot_precision,
-    query_for_cache,
+    load_query_tile,
 )
 
 
@@ -64,20 +64,10 @@ def _paged_prefill_kernel(
     context_len = seq_len - q_len  # positions before this step's first query token
     last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
 
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = first_q + rows // GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx <= last_q)
-    q_pos = context_len + q_idx  # of padding rows too; their outputs are never stored
-    heads = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, BLOCK_D)
-    token = (q_start + q_idx).to(tl.int64)
-    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-        mask=io_mask,
-        other=0.0,
+    q, q_pos, _, heads, dims, token, io_mask = load_query_tile(
+        q_ptr, k_cache_ptr, q_start, first_q, last_q, context_len, kv_head, stride_q_token, stride_q_head,
+        GROUP, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM,
     )
-    q = query_for_cache(q, k_cache_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
