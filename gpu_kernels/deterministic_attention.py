@@ -17,8 +17,9 @@ run it give the same bits:
   (sequence, query tile, KV head) folds its splits as it goes; a split that starts after a query's position
   leaves that query's state as it was (as if the split did not exist);
 - split-parallel (`parallel=True`, decode steps of few rows): one program per (sequence, split, KV head) writes its
-  split's state, and `_merge_splits_kernel` folds them in the same order. A batch-1 decode row at 600 tokens
-  then runs on 5 x KV-heads programs of 2 tiles instead of KV-heads programs of 10.
+  split's state, and the last of a (sequence, KV head)'s split programs to finish (`gpu_kernels/split_counters.py`)
+  folds them in the same order, in the same launch. A batch-1 decode row at 600 tokens then runs on 5 x KV-heads
+  programs of 2 tiles instead of KV-heads programs of 10.
 Which way a step runs is chosen from host shapes (`deterministic_attention`); it never changes a bit.
 
 The source of the split idea: Flash-Decoding (Dao et al., 2023) with a fixed split size in tokens rather than a
@@ -38,6 +39,7 @@ from gpu_kernels.paged_attention import (
     dot_precision,
     load_query_tile,
 )
+from gpu_kernels.split_counters import split_counters
 
 SPLIT_TOKENS = 128
 BLOCK_N = 64
@@ -76,6 +78,7 @@ def _deterministic_attention_kernel(
     state_m_ptr,
     state_l_ptr,
     state_acc_ptr,
+    counter_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -102,7 +105,8 @@ def _deterministic_attention_kernel(
 ):
     # In place: program (seq, q_block, kv_head) owns BLOCK_Q query tokens of one sequence times the GROUP query
     # heads of one KV head (row r is token q_block * BLOCK_Q + r // GROUP, head r % GROUP) and folds every split.
-    # Split-parallel (one query token per sequence): program (seq, split, kv_head) computes one split's state.
+    # Split-parallel (one query token per sequence): program (seq, split, kv_head) computes one split's state; the
+    # last of the row's split programs to finish folds them all.
     seq = tl.program_id(0)
     kv_head = tl.program_id(2)
     if PARALLEL:
@@ -123,8 +127,10 @@ def _deterministic_attention_kernel(
     kv_end = context_len + last_q + 1
     if PARALLEL:
         split_end = split_first + 1
-        if split_first * SPLIT_TOKENS >= kv_end:
-            return  # past this row's position: the merge kernel reads no state of it
+        # Past this row's position: no state of it is folded. Split 0 runs even for a row that sees no key (a
+        # padding row, seq_len 0), so that someone writes its zeros.
+        if split_first * SPLIT_TOKENS >= tl.maximum(kv_end, 1):
+            return
     else:
         split_end = tl.cdiv(kv_end, SPLIT_TOKENS)
 
@@ -155,60 +161,35 @@ def _deterministic_attention_kernel(
 
     if PARALLEL:
         # State of (seq, split, head): m and l at [seq, split, head], acc at [seq, split, head, :BLOCK_D].
-        state_row = (seq.to(tl.int64) * max_splits + split_first) * num_q_heads + heads
-        tl.store(state_m_ptr + state_row, m_i, mask=row_valid)
-        tl.store(state_l_ptr + state_row, l_i, mask=row_valid)
-        tl.store(state_acc_ptr + state_row[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None])
+        state_rows = (seq.to(tl.int64) * max_splits) * num_q_heads + heads
+        split_stride = num_q_heads
+        tl.store(state_m_ptr + state_rows + split_first * split_stride, m_i, mask=row_valid)
+        tl.store(state_l_ptr + state_rows + split_first * split_stride, l_i, mask=row_valid)
+        tl.store(state_acc_ptr + (state_rows + split_first * split_stride)[:, None] * BLOCK_D + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        # The last of the row's split programs to get here folds every split's state left to right, as the in-place
+        # way does (gpu_kernels/split_counters.py): this program's states are stored before its counter release,
+        # and the others' are visible after its acquire; they are read from L2 (.cg), past this SM's L1.
+        num_splits = tl.cdiv(kv_end, SPLIT_TOKENS)  # 0 for a row that sees no key: its output is zeros
+        counter = counter_ptr + seq * tl.num_programs(2) + kv_head
+        tl.debug_barrier()
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.maximum(num_splits, 1) - 1:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for split in range(0, num_splits):
+                rows_s = state_rows + split * split_stride
+                m_s = tl.load(state_m_ptr + rows_s, mask=row_valid, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(state_l_ptr + rows_s, mask=row_valid, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(state_acc_ptr + rows_s[:, None] * BLOCK_D + dims[None, :], mask=row_valid[:, None],
+                                other=0.0, cache_modifier=".cg")
+                m_i, l_i, acc = merge_split(m_i, l_i, acc, m_s, l_s, acc_s, split * SPLIT_TOKENS <= q_pos)
+            tl.store(out_ptr + token[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+                     _normalise(acc, l_i, v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
+            tl.store(counter, 0)  # no other program of this launch touches it again
     else:
         tl.store(out_ptr + token[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
                  _normalise(acc, l_i, v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,
-    state_m_ptr,
-    state_l_ptr,
-    state_acc_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    v_scale,
-    stride_out_token,
-    stride_out_head,
-    num_q_heads,
-    max_splits,
-    GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
-):
-    # Program (seq, kv_head): the GROUP query heads of one KV head of one decode row, folding the row's
-    # cdiv(seq_len, SPLIT_TOKENS) split states left to right, as the in-place kernel does.
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == token:
-        return  # no query token
-    rows = tl.arange(0, GROUP_P2)
-    heads = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    m_i = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-    take = rows >= 0
-    for split in range(0, tl.cdiv(seq_len, SPLIT_TOKENS)):
-        state_row = (seq.to(tl.int64) * max_splits + split) * num_q_heads + heads
-        m_s = tl.load(state_m_ptr + state_row, mask=row_valid, other=0.0)
-        l_s = tl.load(state_l_ptr + state_row, mask=row_valid, other=0.0)
-        acc_s = tl.load(state_acc_ptr + state_row[:, None] * BLOCK_D + dims[None, :],
-                        mask=row_valid[:, None], other=0.0)
-        m_i, l_i, acc = merge_split(m_i, l_i, acc, m_s, l_s, acc_s, take)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
-             _normalise(acc, l_i, v_scale).to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 def launch_rows(group: int) -> int:
@@ -269,6 +250,8 @@ def deterministic_attention(
     Raises:
         ValueError: on mismatched shapes, dtypes or strides, a bad scale, or `parallel=True` with
             `max_query_len != 1`; checked on the host, no sync. CUDA-graph capturable.
+        RuntimeError: the first split-parallel call on a device (which allocates the split counters,
+            gpu_kernels/split_counters.py) runs inside a CUDA graph capture.
     """
     out = check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     num_seqs = block_tables.shape[0]
@@ -294,21 +277,18 @@ def deterministic_attention(
         state_l = torch.empty_like(state_m)
         state_acc = torch.empty((num_seqs, max_splits, num_q_heads, block_d), dtype=torch.float32, device=q.device)
         grid = (num_seqs, max_splits, num_kv_heads)
+        # choose_parallel runs split-parallel only below _PARALLEL_BELOW_PROGRAMS (sequence, KV head) programs
+        counters = split_counters(q.device, num_seqs * num_kv_heads, "deterministic attention",
+                                  _PARALLEL_BELOW_PROGRAMS)
     else:
-        state_m = state_l = state_acc = out  # unused
+        state_m = state_l = state_acc = counters = out  # unused
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _deterministic_attention_kernel[grid](
-        q, k_cache, v_cache, out, state_m, state_l, state_acc, block_tables, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, state_m, state_l, state_acc, counters, block_tables, query_start_loc, seq_lens,
         softmax_scale * k_scale * LOG2_E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), num_kv_heads * head_dim, num_q_heads, max_splits,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, SPLIT_TOKENS=SPLIT_TOKENS, PARALLEL=parallel,
         DOT_PRECISION=dot_precision(q, exact_rows=True), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-    if parallel:
-        _merge_splits_kernel[(num_seqs, num_kv_heads)](
-            out, state_m, state_l, state_acc, query_start_loc, seq_lens, v_scale, out.stride(0), out.stride(1),
-            num_q_heads, max_splits, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, SPLIT_TOKENS=SPLIT_TOKENS, num_warps=_NUM_WARPS,
-        )
     return out
