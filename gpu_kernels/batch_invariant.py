@@ -34,7 +34,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_kernels.gemv import silu_mul
 from gpu_kernels.paged_attention import tile_dot
+from gpu_kernels.pdl import launch_options, pdl_for
 from gpu_kernels.rounding import round_to
 from gpu_kernels.split_counters import split_counters
 
@@ -154,6 +156,7 @@ def _persistent_matmul_kernel(
     IEEE_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLIT_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The K range is cut at every K_SPLIT features into splits; each split's products are summed from zero by one
     # chain of tl.dot steps over its K tiles, and the splits' sums are added to a float32 total in increasing
@@ -169,6 +172,8 @@ def _persistent_matmul_kernel(
     num_splits = tl.cdiv(K, K_SPLIT)
     items = tiles_m * tiles_n * num_splits if SPLIT_OUT else tiles_m * tiles_n
     offs_k = tl.arange(0, BLOCK_K)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished and its memory is visible
+        tl.extra.cuda.gdc_wait()
     for item in range(tl.program_id(0), items, num_programs):
         if SPLIT_OUT:
             tile = item // num_splits
@@ -235,6 +240,8 @@ def _persistent_matmul_kernel(
             if HAS_BIAS:
                 total += tl.load(bias_ptr + w_cols).to(tl.float32)[None, :]
             tl.store(y_ptrs, round_to(total, y_ptr.dtype.element_ty), mask=store_mask)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _check_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -313,6 +320,7 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # None splits above max_programs tiles unless asked to; reserve that many counters on the first call.
     counters = split_counters(x.device, tiles, "batch-invariant matmul", max_programs) if split_out else y
     programs = min(tiles * (splits if split_out else 1), max_programs)
+    pdl = pdl_for(x)
     _persistent_matmul_kernel[(programs,)](
         x, weight, bias if bias is not None else y, y, partial, counters, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
@@ -320,8 +328,8 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         GROUP_M=config.group_m, HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
         # CPU tensors run in the interpreter, whose products are taken in float32 (exact for 16-bit inputs, as on
         # tensor cores) and summed without numpy's matmul.
-        IEEE_DOT=x.dtype == torch.float32, INTERPRETED=x.device.type == "cpu", SPLIT_OUT=split_out,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE_DOT=x.dtype == torch.float32, INTERPRETED=x.device.type == "cpu", SPLIT_OUT=split_out, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y
 
@@ -390,7 +398,7 @@ def _load_h(x_row, res_row, offs, H, dtype: tl.constexpr, HAS_RESIDUAL: tl.const
 
 @triton.jit(do_not_specialize=["eps"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_res, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # Program r normalises row r alone: one pass sums h^2 over the row in BLOCK-wide slices into a [BLOCK] float32
     # vector, reduced once by tl.sum's fixed tree; a second pass scales. h = round(x + residual) (or x) is computed
     # alike in both passes and written by the first; out and h are contiguous [rows, H].
@@ -400,6 +408,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
     x_row = x_ptr + row * stride_x
     res_row = res_ptr + row * stride_res
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    if PDL:  # gpu_kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
     for start in range(0, H, BLOCK):
         offs = start + cols
         h = _load_h(x_row, res_row, offs, H, dtype, HAS_RESIDUAL)
@@ -409,6 +419,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
         squares += h32 * h32
     # H as a float32 tensor: tl.full also takes the constant Triton makes of an argument equal to 1.
     inv_rms = tl.rsqrt(tl.div_rn(tl.sum(squares, axis=0), tl.full((), H, tl.float32)) + eps)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     for start in range(0, H, BLOCK):
         offs = start + cols
         h = _load_h(x_row, res_row, offs, H, dtype, HAS_RESIDUAL)
@@ -416,6 +428,50 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
         # weight * round(h * inv_rms), rounded: workers/layers/norm.py's two roundings to the model dtype.
         normed = round_to(h.to(tl.float32) * inv_rms, dtype).to(tl.float32)
         tl.store(out_ptr + row * H + offs, round_to(w * normed, dtype), mask=offs < H)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # Program (row, block): out[row, offs] = silu(gate) * up for the BLOCK features at offs; x's row is [gate | up].
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    if PDL:  # gpu_kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + row * I + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_rows(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate, `silu(gate) * up` of x = `[gate | up]`, by one Triton kernel (`gemv.silu_mul`'s roundings).
+
+    Element-wise, so each row's bits are its own at any batch size; one launch where eager torch takes two (the
+    deterministic mode runs without torch.compile), and it takes part in PDL (gpu_kernels/pdl.py).
+
+    Args:
+        x: `[..., 2 * I]` bfloat16, float16 or float32, on a CUDA device (CPU tensors: the Triton interpreter).
+
+    Returns:
+        `[..., I]` contiguous, in x's dtype.
+
+    Raises:
+        ValueError: an odd last dimension or a dtype not in `BATCH_INVARIANT_DTYPES`.
+    """
+    if x.shape[-1] % 2 or x.dtype not in BATCH_INVARIANT_DTYPES:
+        raise ValueError(f"silu_and_mul_rows needs x [..., 2 * I] in {BATCH_INVARIANT_DTYPES}, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    features = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((*x.shape[:-1], features), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and features > 0:
+        block = min(1024, triton.next_power_of_2(features))
+        pdl = pdl_for(x)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(features, block))](
+            x2, out, features, x2.stride(0), BLOCK=block, PDL=pdl, num_warps=4, **launch_options(pdl))
+    return out
 
 
 def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -456,7 +512,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight.contiguous(), out, h, hidden, x2.stride(0),
                                          res2.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                         num_warps=4)
+                                         PDL=pdl_for(x), num_warps=4, **launch_options(pdl_for(x)))
     return (out, h) if residual is not None else out
 
 

@@ -39,6 +39,7 @@ from gpu_kernels.paged_attention import (
     dot_precision,
     load_query_tile,
 )
+from gpu_kernels.pdl import launch_options, pdl_for
 from gpu_kernels.split_counters import split_counters
 
 SPLIT_TOKENS = 128
@@ -102,6 +103,7 @@ def _deterministic_attention_kernel(
     SPLIT_TOKENS: tl.constexpr,
     PARALLEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # In place: program (seq, q_block, kv_head) owns BLOCK_Q query tokens of one sequence times the GROUP query
     # heads of one KV head (row r is token q_block * BLOCK_Q + r // GROUP, head r % GROUP) and folds every split.
@@ -109,6 +111,8 @@ def _deterministic_attention_kernel(
     # last of the row's split programs to finish folds them all.
     seq = tl.program_id(0)
     kv_head = tl.program_id(2)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished and its memory is visible
+        tl.extra.cuda.gdc_wait()
     if PARALLEL:
         q_block = 0
         split_first = tl.program_id(1)
@@ -158,6 +162,8 @@ def _deterministic_attention_kernel(
                 BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
             )
         m_i, l_i, acc = merge_split(m_i, l_i, acc, m_s, l_s, acc_s, split_start <= q_pos)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     if PARALLEL:
         # State of (seq, split, head): m and l at [seq, split, head], acc at [seq, split, head, :BLOCK_D].
@@ -289,6 +295,7 @@ def deterministic_attention(
         block_tables.stride(0), num_kv_heads * head_dim, num_q_heads, max_splits,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, SPLIT_TOKENS=SPLIT_TOKENS, PARALLEL=parallel,
-        DOT_PRECISION=dot_precision(q, exact_rows=True), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        DOT_PRECISION=dot_precision(q, exact_rows=True), PDL=pdl_for(q), num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES, **launch_options(pdl_for(q)),
     )
     return out

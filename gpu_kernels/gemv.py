@@ -213,6 +213,14 @@ def _inverse_rms(x_ptr, res_ptr, h_ptr, K, eps, h_stored, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def silu_mul(g, u, dtype: tl.constexpr):
+    """SwiGLU's `silu(g) * u` for float32 `g`, `u` (any shape), in `dtype`: silu(g) = g / (1 + exp(-g)) in float32
+    rounded to `dtype`, times u in float32, rounded again (eager torch's roundings)."""
+    silu = round_to(g / (1.0 + _exp(-g)), dtype).to(tl.float32)
+    return round_to(silu * u, dtype)
+
+
+@triton.jit
 def _input_features(x_ptr, res_ptr, norm_w_ptr, offs, K, inv_rms, MASKED: tl.constexpr, SILU_MUL: tl.constexpr,
                     RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     # float32 input features `offs` of one batch row, as the layer before the GEMV rounds them to x's dtype.
@@ -224,8 +232,7 @@ def _input_features(x_ptr, res_ptr, norm_w_ptr, offs, K, inv_rms, MASKED: tl.con
         # decomposition, libdevice's exp, Triton's float32 division).
         g = _load_features(x_ptr, offs, K, MASKED).to(tl.float32)
         u = _load_features(x_ptr + K, offs, K, MASKED).to(tl.float32)
-        silu = round_to(g / (1.0 + _exp(-g)), dtype).to(tl.float32)
-        features = round_to(silu * u, dtype).to(tl.float32)
+        features = silu_mul(g, u, dtype).to(tl.float32)
     elif RMS_NORM:
         # weight * round(h * inv_rms), rounded: eager torch's two roundings, which workers/layers/norm.py keeps
         # compiled (emulate_precision_casts).
