@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt:
         refuse_prompt_when_serving(parser, args)
     args.serve = args.serve or args.port is not None or args.http_port is not None
+    if args.serve and args.json:
+        parser.error("--json prints the answers of a one-shot run (--prompt); a server sends its answers to its "
+                     "clients: drop --json, or run python -m frontend.client --json against the server")
     demo = args.model is None and not args.prompt and not args.serve
     if not args.serve and not args.prompt and not demo:
         parser.error("give --prompt (one or more), or --serve")

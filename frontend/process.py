@@ -437,7 +437,8 @@ class FrontendProcess:
             if fin.seq_id == st.seq_id:
                 st.num_cached_tokens = fin.num_cached_tokens
             if fin.reason == "error":
-                log.warning("request %s failed: %s", st.request_id, fin.error)
+                # a request's own failure (its input, its grammar): the client is told; the engine serves on
+                log.info("request %s failed: %s", st.request_id, fin.error)
                 st.error = st.error or fin.error
             if fin.seq_id == st.seq_id and fin.queue_time_s >= 0:
                 st.queue_s = fin.queue_time_s

@@ -346,3 +346,17 @@ def test_help_says_which_port_is_zeromq_and_which_is_http() -> None:
     text = " ".join(build_parser().format_help().split())
     assert "--port PORT ZeroMQ client socket port (python -m frontend.client, EngineClient), not HTTP" in text
     assert "--http-port PORT the OpenAI-compatible HTTP API's port (vLLM's --port)" in text
+
+
+@pytest.mark.parametrize("serving", [["--serve"], ["--http-port", "8000"]])
+def test_json_with_a_serving_flag_is_refused_naming_the_client_s_json(
+        tmp_path: Path, serving: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--json formats a one-shot run's answers; a server has none to print, so it says where JSON comes from."""
+    from launch import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", write_checkpoint(tmp_path / "m"), "--json", *serving])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "--json prints the answers of a one-shot run (--prompt)" in err
+    assert "python -m frontend.client --json" in err
