@@ -161,13 +161,13 @@ def test_requests_get_the_same_bits_prefilled_in_chunks_and_after_preemption(
 def test_the_default_mode_is_not_batch_invariant_on_this_model(demo_model: str, prompts: list[list[int]],
                                                               alone: list[tuple]) -> None:
     """Why the mode exists: without it, the same requests in a batch get other logprob bits (so this test's
-    comparisons can fail)."""
+    comparisons can fail). Four of the prompts are enough to show it."""
     llm = LLM(demo_model, device="cpu", max_model_len=512)
     try:
-        got, _ = _in_batch(llm, prompts, random.Random(7), 7)
+        got, _ = _in_batch(llm, prompts[:4], random.Random(7), 7)
     finally:
         llm.shutdown()
-    assert got != alone
+    assert got != alone[:4]
 
 
 # ============================================================================ the GPU path, on CPU
@@ -193,7 +193,7 @@ def test_triton_attention_gives_the_same_bits_in_decode_and_in_any_prefill_chunk
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rng = random.Random(3)
-    prompts = _prompts(rng, 3, 6, 30)
+    prompts = _prompts(rng, 2, 6, 30)  # one greedy, one seeded
     llm = engine_factory(tiny_qwen3, attention_backend="triton", deterministic=True, max_model_len=256,
                          enable_prefix_caching=False)
     alone_bits = _tiny_bits(llm, prompts)

@@ -223,8 +223,8 @@ def test_any_chunk_and_tile_size_gives_the_same_result() -> None:
     """Three tilings, chunkings and buffer sizes, the same results; with the 512-entry buffer the top-k 300 row
     collects its ~300-entry upper set and sorts it at the full size (above the 256 of the usual brackets)."""
     vocab = 700
-    rows = {name: FILTER_ROWS[name] for name in ("top-k", "top-p", "all three", "min-p", "greedy+logprobs",
-                                                 "flat top-p", "plain")} | {"top-k 300+top-p": (1.0, 300, 0.9, 0, 2)}
+    rows = {name: FILTER_ROWS[name] for name in ("top-k", "all three", "greedy+logprobs", "flat top-p")} | {
+        "top-k 300+top-p": (1.0, 300, 0.9, 0, 2)}
     logits = bf16_logits(len(rows), vocab, 9)
     params = filter_params(vocab, rows)
     seeds = torch.arange(len(rows), dtype=torch.int64, device=DEVICE) + 100
@@ -330,11 +330,11 @@ def test_the_reference_draws_follow_the_truncated_renormalised_softmax(name: str
 
 
 def test_kernel_draws_follow_the_truncated_renormalised_softmax() -> None:
-    """Fresh seeds straight through the kernel (20,000 on a GPU; 96 under the interpreter, where a processed
-    row costs ~0.3 s), for all three filters at once."""
+    """Fresh seeds straight through the kernel (20,000 on a GPU; 48 under the interpreter, where a processed
+    row costs ~0.4 s: there it shows only gross errors), for all three filters at once."""
     k, p, m = DISTRIBUTIONS["top-k+top-p+min-p"]
     vocab = len(_DIST_LOGITS)
-    draws = 20_000 if DEVICE == "cuda" else 96
+    draws = 20_000 if DEVICE == "cuda" else 48
     params = ProcessedParams.from_arrays(np.full(draws, 0.8), vocab, DEVICE, top_k=np.full(draws, k),
                                          top_p=np.full(draws, p), min_p=np.full(draws, m))
     seeds = torch.from_numpy(np.random.default_rng(13).integers(0, 2**62, draws)).to(DEVICE)
