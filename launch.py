@@ -41,7 +41,6 @@ if _default_sigint:
     signal.signal(signal.SIGINT, _note_sigint)
 try:
     import argparse
-    import json
     import os
     import shlex
     import time
@@ -472,7 +471,7 @@ def run_prompts(engine: Any, prompts: list[str], params: SamplingParams, chat: b
 def print_answers(prompts: list[str], answers: list[Any], as_json: bool, elapsed: float) -> int:
     """Print each prompt's answer (`StreamedOutput`s; an unfinished one as interrupted, with the text it has);
     returns 1 if any prompt failed or was interrupted, else 0."""
-    from frontend.client_cli import json_row
+    from frontend.client_cli import json_line, json_row
 
     status = 0
     for text, answer in zip(prompts, answers):
@@ -487,7 +486,7 @@ def print_answers(prompts: list[str], answers: list[Any], as_json: bool, elapsed
             if not answer.finished:
                 row["finish_reason"], row["error"] = "abort", error
             row["decode_tokens_per_s"] = rate
-            print(json.dumps(row, ensure_ascii=False))
+            print(json_line(row))
         elif not answer.finished:
             print(f"Prompt: {text}\nAnswer (interrupted after {count(n, 'token')}): {out.text.strip()}\n")
         elif error:

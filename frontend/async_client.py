@@ -63,9 +63,10 @@ from common.protocol import (
     encode,
     wire_error,
 )
-from frontend.client import StreamedOutput
+from frontend.client import StreamedOutput, batches_within, too_large
 
 log = logging.getLogger("deltaserve.async_client")
+
 
 
 class EngineUnavailable(RuntimeError):
@@ -198,12 +199,17 @@ class AsyncEngineClient:
             stream = RequestStream(self, req.request_id)
             self._streams[req.request_id] = stream
             streams.append(stream)
+        limit = self.max_message_bytes
         try:
             data = encode(Submit(requests, all_or_nothing=all_or_nothing))
+            if limit and len(data) > limit:
+                raise ValueError("larger than the engine's max_message_bytes")
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
+            # One by one: which requests the wire cannot carry, or that alone exceed the limit (the frontend would
+            # drop this client's whole connection, every open stream with it, for a message past its limit).
             sendable, unsendable = [], []
             for req, stream in zip(requests, streams):
-                why = wire_error(req)
+                why = wire_error(req) or too_large(req, limit)
                 if why is None:
                     sendable.append((req, stream))
                 else:
@@ -211,17 +217,26 @@ class AsyncEngineClient:
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error",
                                               error=f"this request cannot be sent: {why}",
                                               error_type=ERROR_INVALID_REQUEST))
-            if all_or_nothing:
-                why = f"{NOT_RUN}request {quote(unsendable[0])} of the same all-or-nothing submission was rejected"
+            if all_or_nothing and (unsendable or sendable):
+                if unsendable:
+                    why = f"{NOT_RUN}request {quote(unsendable[0])} of the same all-or-nothing submission was rejected"
+                else:
+                    why = (f"{NOT_RUN}the all-or-nothing submission is {len(data)} bytes encoded, more than the "
+                           f"engine's max_message_bytes ({limit}); send fewer prompts at once")
                 for req, stream in sendable:
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error", error=why,
                                               error_type=ERROR_INVALID_REQUEST))
                 return streams
-            if not sendable:
-                return streams
-            data = encode(Submit([req for req, _ in sendable]))
+            for batch in batches_within([req for req, _ in sendable], limit):
+                self._send_bytes(encode(Submit(batch)))
+            return streams
         self._send_bytes(data)
         return streams
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message the engine takes from a client (0: no limit), from its `EngineInfo`."""
+        return int(self.info.info.get("max_message_bytes") or 0) if self.info is not None else 0
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and not self.sock.closed:
@@ -255,6 +270,8 @@ class AsyncEngineClient:
         """The token ids of `request`'s prompt or messages, as the engine encodes them; a result with `error`
         for one the wire cannot carry (a lone surrogate, say), unsent."""
         why = wire_error(request)
+        if why is None and (limit := self.max_message_bytes) and (size := len(encode(Tokenize(0, request)))) > limit:
+            why = f"it is {size} bytes encoded, more than the engine's max_message_bytes ({limit})"
         if why is not None:
             return TokenizeResult(0, error=f"this request cannot be sent: {why}")
         return await self._ask(lambda rid: Tokenize(rid, request), timeout_s)

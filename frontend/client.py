@@ -157,6 +157,36 @@ def _not_token_ids(value: Any) -> str:
     return kind
 
 
+def too_large(req: GenerateRequest, limit: int) -> str | None:
+    """Why `req` alone is too large to send to an engine that takes messages of at most `limit` bytes (0: no
+    limit); None if it fits."""
+    size = len(encode(Submit([req])))
+    return f"it is {size} bytes encoded, more than the engine's max_message_bytes ({limit})" if limit and \
+        size > limit else None
+
+
+def batches_within(requests: list[GenerateRequest], limit: int) -> list[list[GenerateRequest]]:
+    """`requests` (each alone within `limit` bytes encoded; 0: no limit) in order, as few consecutive groups as
+    fit one `Submit` message each: a message past the engine's limit is dropped unread, with the sender's
+    connection."""
+    if not limit:
+        return [requests] if requests else []
+    base = len(encode(Submit([]))) + 8  # + the array header's growth with the count
+    batches: list[list[GenerateRequest]] = []
+    batch: list[GenerateRequest] = []
+    size = base
+    for req in requests:
+        n = len(encode(Submit([req]))) - base + 8
+        if batch and size + n > limit:
+            batches.append(batch)
+            batch, size = [], base
+        batch.append(req)
+        size += n
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 def _unsendable(req: GenerateRequest) -> str | None:
     """Why `req` cannot be sent (a value msgpack cannot carry, a request id too long); None if it can."""
     if isinstance(req.request_id, str) and len(req.request_id) > MAX_REQUEST_ID_CHARS:
@@ -305,20 +335,7 @@ class EngineClient:
         if len(data) <= MIN_MAX_MESSAGE_BYTES or not (limit := self.max_message_bytes()) or len(data) <= limit:
             self._send(data)
             return
-        base = len(encode(Submit([]))) + 8  # + the array header's growth with the count
-        batch: list[GenerateRequest] = []
-        size = base
-        for req in requests:
-            n = len(encode(Submit([req]))) - base + 8
-            too_large = f"it is {n + base} bytes encoded, more than the engine's max_message_bytes ({limit})"
-            if not self._sendable(req, too_large if n + base > limit else None):
-                continue
-            if batch and size + n > limit:
-                self._send(encode(Submit(batch)))
-                batch, size = [], base
-            batch.append(req)
-            size += n
-        if batch:
+        for batch in batches_within([r for r in requests if self._sendable(r, too_large(r, limit))], limit):
             self._send(encode(Submit(batch)))
 
     def _send(self, data: bytes) -> None:

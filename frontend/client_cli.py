@@ -38,6 +38,18 @@ def json_row(prompt: str, out: RequestOutput) -> dict[str, Any]:
     return row
 
 
+def json_line(row: dict[str, Any]) -> str:
+    """`row` (a `json_row`) as one JSON line. A logprob entry's `token_bytes` (a token that holds part of a UTF-8
+    character) is written as a list of byte values, as the HTTP API's `bytes` field is."""
+    return json.dumps(row, ensure_ascii=False, default=_json_value)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _curve_options(server_key: str | None, client_key: str | None) -> CurveKeys | None:
     """The CLI's CURVE keys: `server_key` a public key file or Z85 text, `client_key` a secret key file.
     Raises `ValueError` naming the option for one that cannot be used."""
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: {out.error}", file=sys.stderr)
                     status = 1
                 if args.json:  # every prompt, failed ones too: one object per prompt
-                    print(json.dumps(results[out.request_id], ensure_ascii=False))
+                    print(json_line(results[out.request_id]))
                 elif not stream and not out.error:
                     for sample in out.outputs:
                         label = f" [sample {sample.index}]" if params.n > 1 else ""

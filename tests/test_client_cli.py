@@ -93,3 +93,21 @@ def test_the_client_help_gives_every_option_a_meaning_and_its_default(capsys: py
         text = help_of[option]
         assert f"(default: {default})" in text, text
         assert len(text.replace(f"(default: {default})", "").split()) > 3, text  # a meaning, not just the metavar
+
+
+def test_json_lines_write_a_split_character_s_token_bytes_as_byte_values() -> None:
+    """A logprob entry of a token that holds part of a UTF-8 character carries its raw bytes: `--json` (client and
+    launch.py) crashed on them with "Object of type bytes is not JSON serializable"; they are written as the HTTP
+    API's `bytes` field is, a list of byte values."""
+    import json
+
+    from common.protocol import PositionLogprobs, RequestOutput, TopLogprob
+    from frontend.client_cli import json_line, json_row
+
+    position = PositionLogprobs(7, -0.5, 1, "\ufffd", [TopLogprob(7, -0.5, "\ufffd", b"\xf0\x9f"),
+                                                      TopLogprob(8, -1.5, "a")], b"\xf0\x9f")
+    out = RequestOutput("r", "\ufffd", [7], True, "length", logprobs=[position], cumulative_logprob=-0.5)
+    row = json.loads(json_line(json_row("emoji", out)))
+    entry = row["outputs"][0]["logprobs"][0]
+    assert entry["token_bytes"] == [0xF0, 0x9F] and entry["top"][0]["token_bytes"] == [0xF0, 0x9F]
+    assert entry["top"][1]["token_bytes"] is None

@@ -78,6 +78,52 @@ def test_the_client_splits_a_submission_over_the_limit_and_fails_a_request_over_
     assert f"more than the engine's max_message_bytes ({LIMIT})" in outs[-1]["error"], outs[-1]["error"]
 
 
+def test_the_http_server_s_client_refuses_a_request_over_the_limit_alone_and_keeps_its_other_streams(
+        llm: LLM) -> None:
+    """The HTTP server's AsyncEngineClient sent any request as it was: one past max_message_bytes made the
+    frontend drop that client's whole connection, so the request hung and every other open stream of the server
+    stalled. Now that request alone fails at once, a submission over the limit goes in several messages, and an
+    all-or-nothing one over it is refused whole."""
+    import asyncio
+
+    from common.protocol import NOT_RUN
+    from frontend.async_client import AsyncEngineClient
+
+    def request(rid: str, prompt: list[int], max_tokens: int = 4) -> GenerateRequest:
+        return GenerateRequest(rid, prompt_token_ids=prompt, sampling={"temperature": 0.0, "max_tokens": max_tokens,
+                                                                      "ignore_eos": True})
+
+    async def finished(stream) -> object:
+        while True:
+            out = await asyncio.wait_for(stream.next_output(), 60)
+            if out.finished:
+                return out
+
+    async def main() -> None:
+        client = AsyncEngineClient(llm.engine.endpoints.client)
+        await client.start()
+        try:
+            await client.engine_info(timeout_s=30)
+            assert client.max_message_bytes == LIMIT
+            [running] = client.submit([request("running", synthetic_prompt(20, 1), max_tokens=64)])
+            [huge] = client.submit([request("huge", list(range(1000, 31_000)))])  # ~90 KiB alone
+            out = await finished(huge)
+            assert out.finish_reason == "error" and f"more than the engine's max_message_bytes ({LIMIT})" in out.error
+            many = client.submit([request(f"m{i}", synthetic_prompt(300, i)) for i in range(100)])  # 88 KiB in all
+            assert all(o.error is None for o in [await finished(s) for s in many])
+            both = client.submit([request("a", synthetic_prompt(300, i)) for i in range(100)], all_or_nothing=True)
+            outs = [await finished(s) for s in both]
+            assert all(o.error.startswith(NOT_RUN) and "max_message_bytes" in o.error for o in outs), outs[0].error
+            out = await finished(running)
+            assert out.error is None and len(out.token_ids) == 64
+            result = await client.tokenize(request("t", list(range(1000, 31_000))))
+            assert result.error and "max_message_bytes" in result.error
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
 def test_errors_quote_at_most_a_few_hundred_characters_of_what_the_client_sent(llm: LLM, capfd) -> None:
     """A 16 KiB field came back whole in the error and went whole to the log."""
     huge = "x" * (16 << 10)  # three of them stay under the 64 KiB limit
