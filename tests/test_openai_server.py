@@ -646,6 +646,18 @@ BAD_CHATS = [
 ]
 
 
+def test_openai_platform_fields_are_accepted_on_chat_and_change_nothing(server: HTTPServer) -> None:
+    """`store`, `metadata` and `service_tier` (OpenAI's stored completions and tiers) were unknown fields, a 400."""
+    body = {"model": "tiny", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0.0}
+    plain = post(server, "/v1/chat/completions", body)
+    tagged = post(server, "/v1/chat/completions",
+                  {**body, "store": False, "metadata": {"run": "a"}, "service_tier": "auto"})
+    assert plain.status_code == tagged.status_code == 200, tagged.text
+    assert tagged.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    response = post(server, "/v1/chat/completions", {**body, "metadata": {"run": 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "metadata", response.text
+
+
 @pytest.mark.parametrize(("body", "param", "message"), BAD_CHATS)
 def test_bad_chat_fields_are_a_400_naming_the_field(server: HTTPServer, body: dict, param: str, message: str) -> None:
     response = post(server, "/v1/chat/completions", {"model": "tiny", **body})

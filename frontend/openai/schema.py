@@ -2,7 +2,7 @@
 
 Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), with vLLM's extra
 sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...). Requests refuse
-unknown fields (a typo must not be ignored, as vLLM does) and NaN or infinite numbers. Which declared
+unknown fields (a typo must not pass silently, where vLLM ignores it with a warning) and NaN or infinite numbers. Which declared
 fields the engine runs is decided in `frontend/openai/params.py`.
 """
 
@@ -175,6 +175,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None  # an empty list: no tools
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool | None = None  # None: True
+    # OpenAI's fields about its own platform (stored completions, their tags, the processing tier): accepted as the
+    # openai client sends them, with nothing to do on this server
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # vLLM's extra chat fields
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open for the model to continue
