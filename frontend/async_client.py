@@ -68,7 +68,6 @@ from frontend.client import StreamedOutput, batches_within, too_large
 log = logging.getLogger("deltaserve.async_client")
 
 
-
 class EngineUnavailable(RuntimeError):
     """The engine is not serving: still starting, shutting down, or its frontend stopped answering."""
 
@@ -217,17 +216,24 @@ class AsyncEngineClient:
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error",
                                               error=f"this request cannot be sent: {why}",
                                               error_type=ERROR_INVALID_REQUEST))
-            if all_or_nothing and (unsendable or sendable):
+            kept = [req for req, _ in sendable]
+            if all_or_nothing and kept:
+                why = None
                 if unsendable:
                     why = f"{NOT_RUN}request {quote(unsendable[0])} of the same all-or-nothing submission was rejected"
-                else:
+                elif limit and len(data := encode(Submit(kept, all_or_nothing=True))) > limit:
                     why = (f"{NOT_RUN}the all-or-nothing submission is {len(data)} bytes encoded, more than the "
                            f"engine's max_message_bytes ({limit}); send fewer prompts at once")
+                else:
+                    data = encode(Submit(kept, all_or_nothing=True))
+                if why is None:
+                    self._send_bytes(data)
+                    return streams
                 for req, stream in sendable:
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error", error=why,
                                               error_type=ERROR_INVALID_REQUEST))
                 return streams
-            for batch in batches_within([req for req, _ in sendable], limit):
+            for batch in batches_within(kept, limit):
                 self._send_bytes(encode(Submit(batch)))
             return streams
         self._send_bytes(data)

@@ -156,7 +156,9 @@ def test_a_split_grid_larger_than_the_counters_gets_a_larger_workspace_and_the_o
 
     y = gemv(x, weight, bias, config=GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=False))
 
-    assert split_counters._counters[x.device].numel() == tiles
+    # at least `tiles` (a first allocation may reserve more, and another kernel of this process may have made it)
+    assert split_counters._counters[x.device].numel() >= tiles
+    assert split_counters._counters[x.device] is not small
     assert any(old is small for old in split_counters._retired_counters)
     assert_rounded_float32_sum(y, x, weight, bias)
 
