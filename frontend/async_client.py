@@ -63,7 +63,7 @@ from common.protocol import (
     encode,
     wire_error,
 )
-from frontend.client import StreamedOutput, batches_within, too_large
+from frontend.client import StreamedOutput, batches_within, over_limit, too_large
 
 log = logging.getLogger("deltaserve.async_client")
 
@@ -218,17 +218,15 @@ class AsyncEngineClient:
                                               error_type=ERROR_INVALID_REQUEST))
             kept = [req for req, _ in sendable]
             if all_or_nothing and kept:
-                why = None
                 if unsendable:
                     why = f"{NOT_RUN}request {quote(unsendable[0])} of the same all-or-nothing submission was rejected"
-                elif limit and len(data := encode(Submit(kept, all_or_nothing=True))) > limit:
-                    why = (f"{NOT_RUN}the all-or-nothing submission is {len(data)} bytes encoded, more than the "
-                           f"engine's max_message_bytes ({limit}); send fewer prompts at once")
                 else:
                     data = encode(Submit(kept, all_or_nothing=True))
-                if why is None:
-                    self._send_bytes(data)
-                    return streams
+                    if not limit or len(data) <= limit:
+                        self._send_bytes(data)
+                        return streams
+                    why = (f"{NOT_RUN}the all-or-nothing submission is {len(data)} bytes encoded, more than the "
+                           f"engine's max_message_bytes ({limit}); send fewer prompts at once")
                 for req, stream in sendable:
                     stream._put(RequestOutput(req.request_id, finished=True, finish_reason="error", error=why,
                                               error_type=ERROR_INVALID_REQUEST))
@@ -276,8 +274,8 @@ class AsyncEngineClient:
         """The token ids of `request`'s prompt or messages, as the engine encodes them; a result with `error`
         for one the wire cannot carry (a lone surrogate, say), unsent."""
         why = wire_error(request)
-        if why is None and (limit := self.max_message_bytes) and (size := len(encode(Tokenize(0, request)))) > limit:
-            why = f"it is {size} bytes encoded, more than the engine's max_message_bytes ({limit})"
+        if why is None and (limit := self.max_message_bytes):
+            why = over_limit(len(encode(Tokenize(0, request))), limit)
         if why is not None:
             return TokenizeResult(0, error=f"this request cannot be sent: {why}")
         return await self._ask(lambda rid: Tokenize(rid, request), timeout_s)

@@ -157,12 +157,17 @@ def _not_token_ids(value: Any) -> str:
     return kind
 
 
+def over_limit(size: int, limit: int) -> str | None:
+    """Why a message of `size` bytes cannot go to an engine that takes at most `limit` (0: no limit); None if it
+    fits."""
+    return f"it is {size} bytes encoded, more than the engine's max_message_bytes ({limit})" if limit and \
+        size > limit else None
+
+
 def too_large(req: GenerateRequest, limit: int) -> str | None:
     """Why `req` alone is too large to send to an engine that takes messages of at most `limit` bytes (0: no
     limit); None if it fits."""
-    size = len(encode(Submit([req])))
-    return f"it is {size} bytes encoded, more than the engine's max_message_bytes ({limit})" if limit and \
-        size > limit else None
+    return over_limit(len(encode(Submit([req]))), limit) if limit else None
 
 
 def batches_within(requests: list[GenerateRequest], limit: int) -> list[list[GenerateRequest]]:

@@ -431,18 +431,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, stride_x, stride_
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # Program (row, block): out[row, offs] = silu(gate) * up for the BLOCK features at offs; x's row is [gate | up].
+def _silu_and_mul_kernel(x_ptr, out_ptr, features, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # Program (row, block): out[row, offs] = silu(gate) * up for the BLOCK features at offs; x's row is [gate | up],
+    # each `features` wide.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
+    mask = offs < features
     if PDL:  # gpu_kernels/pdl.py
         tl.extra.cuda.gdc_wait()
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + features + offs, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + row * I + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * features + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul_rows(x: torch.Tensor) -> torch.Tensor:
@@ -510,9 +511,10 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     if x2.shape[0] > 0:
+        pdl = pdl_for(x)
         _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight.contiguous(), out, h, hidden, x2.stride(0),
                                          res2.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                         PDL=pdl_for(x), num_warps=4, **launch_options(pdl_for(x)))
+                                         PDL=pdl, num_warps=4, **launch_options(pdl))
     return (out, h) if residual is not None else out
 
 

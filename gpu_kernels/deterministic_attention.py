@@ -289,13 +289,14 @@ def deterministic_attention(
     else:
         state_m = state_l = state_acc = counters = out  # unused
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    pdl = pdl_for(q)
     _deterministic_attention_kernel[grid](
         q, k_cache, v_cache, out, state_m, state_l, state_acc, counters, block_tables, query_start_loc, seq_lens,
         softmax_scale * k_scale * LOG2_E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), num_kv_heads * head_dim, num_q_heads, max_splits,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, SPLIT_TOKENS=SPLIT_TOKENS, PARALLEL=parallel,
-        DOT_PRECISION=dot_precision(q, exact_rows=True), PDL=pdl_for(q), num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES, **launch_options(pdl_for(q)),
+        DOT_PRECISION=dot_precision(q, exact_rows=True), PDL=pdl, num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES, **launch_options(pdl),
     )
     return out

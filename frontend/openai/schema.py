@@ -2,8 +2,8 @@
 
 Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), with vLLM's extra
 sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...). Requests refuse
-unknown fields (a typo must not pass silently, where vLLM ignores it with a warning) and NaN or infinite numbers. Which declared
-fields the engine runs is decided in `frontend/openai/params.py`.
+unknown fields (a typo must not pass silently, where vLLM ignores it with a warning) and NaN or infinite numbers.
+Which declared fields the engine runs is decided in `frontend/openai/params.py`.
 """
 
 from __future__ import annotations
