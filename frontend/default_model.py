@@ -58,8 +58,12 @@ def _fetch_and_convert(target: str, verbose: bool) -> None:
         if verbose:
             print(f"deltaserve: converting {GGUF_NAME} into {target} ...", file=sys.stderr)
         out = os.path.join(tmp, MODEL_NAME)
-        # In a child process: the conversion's memory and torch threads end with it.
-        result = subprocess.run([sys.executable, "-m", "frontend.default_model", gguf_path, out],
+        # In a child process: the conversion's memory and torch threads end with it. Its progress bars (tqdm's,
+        # and transformers' own) only where stderr is a terminal: in a log each redraw is a line of its own.
+        env = dict(os.environ)
+        if not sys.stderr.isatty():
+            env.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        result = subprocess.run([sys.executable, "-m", "frontend.default_model", gguf_path, out], env=env,
                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if result.returncode != 0:
             raise RuntimeError(f"converting {GGUF_NAME} failed (exit code {result.returncode})")

@@ -28,8 +28,15 @@ timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout
 workers_flag=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-3}")
 ckpt=${CKPT_DIR:-/tmp/qwen3-0.6b-random}
 [ -f "$ckpt/model.safetensors" ] || python3 benchmarks/make_checkpoint.py --shape qwen3-0.6b --out "$ckpt" ${tok:+--tokenizer "$tok"}
+# The demo model is converted once, here, for the gates and for the tests that take it
+# (DELTASERVE_TEST_DEMO_MODEL: tests/test_gpu_deterministic.py).
+if [ -z "${DEMO_MODEL:-}" ] && [ -n "${DEMO_GGUF:-}" ]; then
+  DEMO_MODEL=${DEMO_DIR:-/tmp/smollm2-demo}
+  [ -f "$DEMO_MODEL/model.safetensors" ] || TQDM_DISABLE=1 python3 -c "import sys; from frontend.default_model import \
+convert_gguf; convert_gguf(sys.argv[1], sys.argv[2])" "$DEMO_GGUF" "$DEMO_MODEL" || DEMO_MODEL=
+fi
 demo=()
-if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); elif [ -n "${DEMO_GGUF:-}" ]; then demo=(--demo-gguf "$DEMO_GGUF"); fi
+if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); export DELTASERVE_TEST_DEMO_MODEL=$DEMO_MODEL; fi
 # The gates run beside the tests (one GPU holds both: the tests' engines take 1 GiB KV caches): on the H200 they
 # took about 5 minutes and the tests more than the rest of a 10-minute device call, so one after the other they do
 # not fit one call. Their output is printed when they end. GATE_BACKENDS narrows the gates' backends (default: all).
