@@ -216,6 +216,11 @@ class SchedulerProcess:
             return
         if stuck.longest_s is None:
             why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g} for a step unlike any measured so far"
+        elif stuck.work_ratio > 1:
+            why = (f"{self.watchdog.factor:g} times {stuck.work_ratio:g} times the longest step of a smaller shape, "
+                   f"{stuck.longest_s:.3g} s, for a shape not measured before (its tokens times context up to "
+                   f"{stuck.work_ratio:g} times that one's), at least DELTASERVE_STEP_TIMEOUT_FLOOR_S="
+                   f"{self.watchdog.floor_s:g} and at most DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}")
         else:
             why = (f"{self.watchdog.factor:g} times the longest step like it so far, {stuck.longest_s:.3g} s, "
                    f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g} and at most "

@@ -10,10 +10,15 @@ stopped CPU worker. So the bound is relative to what this engine has measured:
   within one bucket of each they vary by at most 2x, so steps of one shape take about as long.
 - A step of a shape seen before may take `factor` (20) times the longest step of that shape so far,
   and at least `floor_s` (DELTASERVE_STEP_TIMEOUT_FLOOR_S, 60 s).
-- A step of an unseen shape takes the bound of the cheapest seen shape that is at least as large in
-  both buckets (more work takes longer); when there is none (the first large prefill), it gets the
-  generous `unseen_s` (DELTASERVE_STEP_TIMEOUT_S: 300 s on GPUs, 3600 s on CPU), which also caps
-  every bound.
+- A step of an unseen shape takes the smallest bound that any comparable seen shape gives it: a seen shape at
+  least as large in both buckets did more work, so its bound holds; a seen shape it covers did less, and a
+  step's work grows at most with its tokens times the context its rows attend to (linear layers with the
+  tokens, attention with both), so a shape `dt` token buckets and `dc` context buckets above it may take
+  `2 ** (dt + dc)` times as long (`factor` times that). So a step larger than any so far (a new prompt
+  arriving among running decodes) is bounded by minutes, not by the generous `unseen_s`, and a decode step
+  after a long prefill by the decodes before it, not by 20 times that prefill.
+- With nothing measured at all (the first step), the bound is `unseen_s` (DELTASERVE_STEP_TIMEOUT_S: 300 s
+  on GPUs, 3600 s on CPU), which also caps every bound.
 
 A step is timed from when the workers could start it: when its plan was sent, or when the step
 before it finished, whichever is later (steps are pipelined: a plan waits behind the one in flight).
@@ -69,6 +74,7 @@ class StuckStep:
     waited_s: float
     bound_s: float
     longest_s: float | None  # the longest step of its shape (or of the shape that bounds it); None: none seen
+    work_ratio: float = 1.0  # > 1: bounded by a smaller shape's longest step times this (extrapolated)
 
 
 class StepWatchdog:
@@ -98,15 +104,26 @@ class StepWatchdog:
             self.longest[step.shape] = took
 
     def bound_s(self, shape: StepShape) -> tuple[float, float | None]:
-        """(seconds a step of `shape` may take, the longest step time that set it or None)."""
+        """(seconds a step of `shape` may take, the longest step time that set it (of `shape` itself, of the
+        larger shape that bounds it, or of the smaller one it is extrapolated from) or None)."""
+        bound, longest, _ = self._bound(shape)
+        return bound, longest
+
+    def _bound(self, shape: StepShape) -> tuple[float, float | None, float]:
+        """`bound_s` and the work ratio it was extrapolated by (1.0 where it was not)."""
         longest = self.longest.get(shape)
-        if longest is None:  # the cheapest larger shape seen: its steps did more work
-            bounds = [(self._relative(t), t) for s, t in self.longest.items() if s.covers(shape)]
-            if not bounds:
-                return self.unseen_s, None
-            bound, longest = min(bounds)
-            return bound, longest
-        return self._relative(longest), longest
+        if longest is not None:
+            return self._relative(longest), longest, 1.0
+        bounds = []
+        for seen, t in self.longest.items():
+            if seen.covers(shape):  # a larger shape: its steps did more work
+                ratio = 1.0
+            elif shape.covers(seen):  # a smaller one: at most 2x the work per bucket above it
+                ratio = 2.0 ** (shape.tokens_bucket - seen.tokens_bucket + shape.context_bucket - seen.context_bucket)
+            else:
+                continue
+            bounds.append((self._relative(t * ratio), t, ratio))
+        return min(bounds) if bounds else (self.unseen_s, None, 1.0)
 
     def _relative(self, longest_s: float) -> float:
         return min(self.unseen_s, max(self.floor_s, self.factor * longest_s))
@@ -117,7 +134,7 @@ class StepWatchdog:
             return None
         step_id, step = next(iter(self.in_flight.items()))  # plans are sent in order: the first is the oldest
         waited = now - max(step.sent, self.last_finished)
-        bound, longest = self.bound_s(step.shape)
+        bound, longest, ratio = self._bound(step.shape)
         if waited <= bound:
             return None
-        return StuckStep(step_id, waited, bound, longest)
+        return StuckStep(step_id, waited, bound, longest, ratio)

@@ -55,12 +55,33 @@ def test_the_bound_is_twenty_times_the_longest_step_of_that_shape() -> None:
 
 def test_an_unseen_shape_takes_the_bound_of_a_larger_measured_one() -> None:
     """After one big prefill, a stopped worker is noticed within a minute on any smaller step, though that
-    exact shape was never measured; a larger unseen step still gets the generous bound."""
+    exact shape was never measured."""
     dog = StepWatchdog(CPU_UNSEEN_S, floor_s=60.0)
     _run(dog, 0, BIG_PREFILL, start=0.0, took=2.0)
     assert dog.bound_s(DECODE) == (60.0, 2.0)
-    assert dog.bound_s(StepShape(15, 14)) == (CPU_UNSEEN_S, None)  # more tokens than any measured step
-    assert dog.bound_s(StepShape(1, 15)) == (CPU_UNSEEN_S, None)  # a longer context than any measured step
+    assert dog.bound_s(StepShape(1, 15)) == (CPU_UNSEEN_S, None)  # not comparable with the measured shape
+
+
+def test_a_step_larger_than_any_measured_is_bounded_by_its_work_times_the_time_of_a_smaller_one() -> None:
+    """A new prompt arriving among running decodes (a fresh user's trial: a stopped worker went unnoticed for an
+    hour on CPU): its bound grows with 2 per token bucket and per context bucket above a measured shape, 20
+    times that, so minutes rather than DELTASERVE_STEP_TIMEOUT_S; a step far larger still gets the cap."""
+    dog = StepWatchdog(CPU_UNSEEN_S, floor_s=60.0)
+    four_decodes = StepShape(3, 11)  # 4 rows at about 400 tokens of context each
+    for i in range(3):
+        _run(dog, i, four_decodes, start=i * 1.0, took=0.03)
+    with_prompt = StepShape(9, 12)  # a 400-token prompt beside them: 2 ** (6 + 1) times the work at most
+    assert dog.bound_s(with_prompt) == (pytest.approx(20 * 0.03 * 128), pytest.approx(0.03))
+    dog.sent(3, with_prompt, 10.0)
+    assert dog.stuck(10.0 + 76.0) is None
+    stuck = dog.stuck(10.0 + 78.0)
+    assert stuck is not None and stuck.work_ratio == 128 and stuck.bound_s == pytest.approx(76.8)
+    # the smallest extrapolation wins: a measured step of another, nearer shape bounds it more tightly
+    _run(dog, 4, StepShape(8, 12), start=100.0, took=0.5)
+    assert dog.bound_s(with_prompt) == (60.0, 0.5)  # 20 * 0.5 s * 2 = 20 s, raised to the floor
+    # an 8k-token prompt: 2 ** (6 + 2) times 0.5 s, 20 times (from the decodes it would be past the cap)
+    assert dog.bound_s(BIG_PREFILL) == (2560.0, 0.5)
+    assert dog.bound_s(StepShape(20, 20))[0] == CPU_UNSEEN_S  # past the cap from every measured shape: the cap
 
 
 def test_no_bound_exceeds_the_step_timeout_variable() -> None:
