@@ -124,6 +124,12 @@ def _structured_outputs_from_args(parser: ArgumentParser, args: Any) -> tuple[st
                 value = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             parser.error(f"{options[0]}: cannot read {quote(value[1:])}: {exc}")
+    if flag in ("regex", "grammar") and isinstance(value, str):  # refused before an engine starts, not after
+        from workers.structured_output import syntax_error
+
+        problem = syntax_error(flag, value)
+        if problem is not None:
+            parser.error(f"{options[0]}: {problem}")
     return options[0], {STRUCTURED_FLAGS[flag]: value}
 
 

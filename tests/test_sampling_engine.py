@@ -373,6 +373,10 @@ def test_bad_values_sent_over_the_wire_fail_their_own_request_only(llm: LLM) -> 
     (["--min-tokens", "99"], "--min-tokens must be in [0, max_tokens=64]"),
     (["--stop", ""], "--stop must be a non-empty string"),
     (["--temperature", "1e308"], "--temperature must be a finite number in [0, 3.4e38]"),
+    # xgrammar parses a regex or EBNF grammar without a tokenizer: no engine needs to answer first
+    (["--regex", "([a"], "--regex: the regex cannot be compiled: Regex parsing error at position 4: Unclosed '['"),
+    (["--grammar", "x"], '--grammar: the EBNF grammar cannot be compiled: EBNF parser error at line 1, column 1: '
+                         'The root rule with name "root" is not found'),
 ])
 def test_the_client_cli_refuses_a_bad_sampling_flag_by_name(argv: list[str], message: str, capsys) -> None:
     from frontend.client_cli import main
@@ -387,6 +391,7 @@ def test_the_client_cli_refuses_a_bad_sampling_flag_by_name(argv: list[str], mes
     (["--top-p", "0"], "--top-p must be a finite number in (0, 1]"),
     (["--n", "100000"], "--n must be at most --max-num-seqs (256)"),  # it started the engine, then failed
     (["--n", "9", "--max-num-seqs", "8"], "--n must be at most --max-num-seqs (8)"),
+    (["--regex", "a{2,1}"], "--regex: the regex cannot be compiled: "),  # it started the engine, then failed
 ])
 def test_launch_refuses_a_bad_sampling_flag_before_starting_an_engine(tiny_qwen3: Path, argv: list[str],
                                                                      message: str) -> None:

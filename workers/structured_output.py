@@ -133,6 +133,23 @@ def library_error(exc: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def syntax_error(kind: str, spec: str) -> str | None:
+    """Why xgrammar refuses a regex (`kind` "regex") or an EBNF grammar ("grammar") on its syntax alone, in the
+    words a worker would use, or None. Needs no tokenizer, so the command line checks `--regex` and
+    `--grammar` with it before starting an engine; None too where xgrammar cannot be imported (the engine then
+    says why)."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    parse = xgrammar.Grammar.from_regex if kind == "regex" else xgrammar.Grammar.from_ebnf
+    try:
+        parse(spec)
+    except Exception as exc:  # xgrammar raises RuntimeError, and others for some inputs
+        return f"{WHAT_FAILS.get(kind, 'the constraint')} cannot be compiled: {library_error(exc)}"
+    return None
+
+
 class RequestGrammar:
     """One constrained request's matcher: where its output stands in its grammar. It advances with every
     token that reaches the host (`StructuredOutputManager.accept`). `guidance`: an llguidance `LLMatcher`,
