@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         reqs.append(req)
     order = {r.request_id: i for i, r in enumerate(reqs)}
     results: dict[str, dict[str, Any]] = {}
+    finished: list[RequestOutput | None] = [None] * len(reqs)
+    printed = 0  # answers are printed in the prompts' order, each once every earlier one is (as launch.py does)
     client.submit(reqs)
     status = 0
     try:
@@ -163,17 +165,20 @@ def main(argv: list[str] | None = None) -> int:
                 if not out.finished:
                     continue
                 results[out.request_id] = json_row(args.prompts[order[out.request_id]], out)
+                finished[order[out.request_id]] = out
                 if out.error:
                     if stream:  # end the line of the text streamed so far
                         print()
                     print(f"error: {out.error}", file=sys.stderr)
                     status = 1
-                if args.json:  # every prompt, failed ones too: one object per prompt
-                    print(json_line(results[out.request_id]))
-                elif not stream and not out.error:
-                    for sample in out.outputs:
-                        label = f" [sample {sample.index}]" if params.n > 1 else ""
-                        print(f"--- {results[out.request_id]['prompt']}{label}\n{sample.text}\n")
+                while printed < len(reqs) and (done := finished[printed]) is not None:
+                    printed += 1
+                    if args.json:  # every prompt, failed ones too: one object per prompt
+                        print(json_line(results[done.request_id]))
+                    elif not stream and not done.error:
+                        for sample in done.outputs:
+                            label = f" [sample {sample.index}]" if params.n > 1 else ""
+                            print(f"--- {results[done.request_id]['prompt']}{label}\n{sample.text}\n")
         if stream and not status:
             print()
     except KeyboardInterrupt:

@@ -416,3 +416,16 @@ def test_the_cli_flags_reach_the_engine(llm: LLM, tiny_qwen3: Path, capsys) -> N
                                                  frequency_penalty=0.1, min_tokens=1, ignore_eos=True,
                                                  stop=["never-there"]), use_tqdm=False)[0]
     assert [s["token_ids"] for s in row["outputs"]] == samples_of(direct)
+
+
+def test_the_client_prints_answers_in_the_order_of_its_prompts(llm: LLM, capsys) -> None:
+    """The empty prompt fails at once and the long request finishes last, yet the rows come in the prompts' order
+    (a fresh user found them in completion order; launch.py keeps the prompts' order)."""
+    from frontend.client_cli import main
+
+    prompts = ["a request that runs for a while", "", "short"]
+    code = main(["--address", llm.engine.endpoints.client, "--json", "--max-tokens", "3", "--ignore-eos", *prompts])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1  # one prompt failed
+    assert [r["prompt"] for r in rows] == prompts
+    assert rows[1]["finish_reason"] == "error" and rows[0]["finish_reason"] == rows[2]["finish_reason"] == "length"
