@@ -216,15 +216,16 @@ class SchedulerProcess:
             return
         if stuck.longest_s is None:
             why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g} for a step unlike any measured so far"
+        elif stuck.bound_s >= self.step_timeout_s:  # the cap decided, whatever was measured
+            why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}, the most any step may take"
         elif stuck.work_ratio > 1:
             why = (f"{self.watchdog.factor:g} times {stuck.work_ratio:g} times the longest step of a smaller shape, "
                    f"{stuck.longest_s:.3g} s, for a shape not measured before (its tokens times context up to "
                    f"{stuck.work_ratio:g} times that one's), at least DELTASERVE_STEP_TIMEOUT_FLOOR_S="
-                   f"{self.watchdog.floor_s:g} and at most DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}")
+                   f"{self.watchdog.floor_s:g}")
         else:
             why = (f"{self.watchdog.factor:g} times the longest step like it so far, {stuck.longest_s:.3g} s, "
-                   f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g} and at most "
-                   f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}")
+                   f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g}")
         raise ExplainedError(
             f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s (its bound is {stuck.bound_s:.0f} s: "
             f"{why}): a worker is stuck (a stopped process, a hung device, or a peer lost inside a collective)")
