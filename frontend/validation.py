@@ -79,15 +79,23 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
         calls = m.get("tool_calls") if m.get("role") == "assistant" else None
         if calls and m.get("content") is None:
             m["content"] = ""
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} (an assistant "
-                             "message with tool_calls may have no content)")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}].role must be a string, got {_shown(m.get('role'))}: messages must be "
+                             "a non-empty list of {'role': str, 'content': str}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string, got {_shown(m.get('content'))} (an "
+                             "assistant message with tool_calls may have no content)")
         if calls is not None:
             if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
                 raise ValueError(f"messages[{i}].tool_calls must be a list of calls, got {str(calls)[:80]}")
             m["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
         out.append(m)
     return out
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message names it: its type, and its start."""
+    return "nothing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
 
 
 def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:

@@ -264,3 +264,15 @@ def test_sampling_params_of_the_wrong_type_are_named(llm: LLM, params: object, m
         llm.generate(["Hi"], params, use_tqdm=False)
     with pytest.raises(TypeError, match=message):
         llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(("messages", "error"), [
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string, got int '5'"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user"}],
+     "messages[1].content must be a string, got nothing"),
+    ([{"content": "hi"}], "messages[0].role must be a string, got nothing"),
+])
+def test_a_chat_message_without_text_content_or_role_is_named_in_its_error(
+        llm: LLM, messages: list, error: str) -> None:  # noqa: F811
+    (reply,) = llm.chat(messages, GREEDY4, use_tqdm=False)
+    assert reply["error"] is not None and error in reply["error"], reply["error"]
