@@ -41,6 +41,7 @@ from common.protocol import (
     Ping,
     ProcessFailed,
     ProcessReady,
+    ProfileStop,
     ProtocolError,
     Shutdown,
     StartProfile,
@@ -214,7 +215,10 @@ class SchedulerProcess:
         stuck = self.watchdog.stuck(time.monotonic())
         if stuck is None:
             return
-        if stuck.longest_s is None:
+        if stuck.after_profiling:
+            why = (f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g} for the first step after a profiling session, "
+                   "which waits for the workers to write their traces")
+        elif stuck.longest_s is None:
             why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g} for a step unlike any measured so far"
         elif stuck.bound_s >= self.step_timeout_s:  # the cap decided, whatever was measured
             why = f"DELTASERVE_STEP_TIMEOUT_S={self.step_timeout_s:g}, the most any step may take"
@@ -227,7 +231,7 @@ class SchedulerProcess:
             why = (f"{self.watchdog.factor:g} times the longest step like it so far, {stuck.longest_s:.3g} s, "
                    f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g}")
         raise ExplainedError(
-            f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s (its bound is {stuck.bound_s:.0f} s: "
+            f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s (its bound is {round(stuck.bound_s, 1):g} s: "
             f"{why}): a worker is stuck (a stopped process, a hung device, or a peer lost inside a collective)")
 
     def _handle_frontend(self, raw: bytes) -> bool:
@@ -328,6 +332,8 @@ class SchedulerProcess:
                       sched.block_manager.num_free_blocks)
 
     def _send_workers(self, msg: object) -> None:
+        if isinstance(msg, ProfileStop):  # the workers write their traces after its last step
+            self.watchdog.excuse_after(msg.last_step)
         for sock in self.to_workers:
             ipc.send(sock, msg)
 

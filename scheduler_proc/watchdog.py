@@ -22,6 +22,11 @@ stopped CPU worker. So the bound is relative to what this engine has measured:
 
 A step is timed from when the workers could start it: when its plan was sent, or when the step
 before it finished, whichever is later (steps are pipelined: a plan waits behind the one in flight).
+
+A profiling session's end is excused (`excuse_after`): each worker writes its trace once the session's last step
+is done, before it finishes the next one, and on CPU that takes minutes (a 256-row session of 100 steps wrote
+1.5 GB of events in over 60 s). The first step after the session is bounded only by `unseen_s`, and its time is
+not learned as its shape's.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class StuckStep:
     bound_s: float
     longest_s: float | None  # the longest step of its shape (or of the shape that bounds it); None: none seen
     work_ratio: float = 1.0  # > 1: bounded by a smaller shape's longest step times this (extrapolated)
+    after_profiling: bool = False  # the first step after a profiling session (`StepWatchdog.excuse_after`)
 
 
 class StepWatchdog:
@@ -90,6 +96,15 @@ class StepWatchdog:
         self.longest: dict[StepShape, float] = {}  # shape -> longest step time seen (seconds)
         self.in_flight: OrderedDict[int, _InFlight] = OrderedDict()  # step id -> its shape and send time, in order
         self.last_finished = 0.0
+        self.excused_after: int | None = None  # the first step above this id may include a trace write
+
+    def excuse_after(self, step_id: int) -> None:
+        """The workers write a profiler trace once step `step_id` is done: the first later step to finish may
+        take up to `unseen_s`, and its time says nothing of its shape."""
+        self.excused_after = step_id
+
+    def _excused(self, step_id: int) -> bool:
+        return self.excused_after is not None and step_id > self.excused_after
 
     def sent(self, step_id: int, shape: StepShape, now: float) -> None:
         self.in_flight[step_id] = _InFlight(shape, now)
@@ -100,6 +115,9 @@ class StepWatchdog:
             return
         took = now - max(step.sent, self.last_finished)
         self.last_finished = now
+        if self._excused(step_id):
+            self.excused_after = None
+            return
         if took > self.longest.get(step.shape, -1.0):
             self.longest[step.shape] = took
 
@@ -134,7 +152,8 @@ class StepWatchdog:
             return None
         step_id, step = next(iter(self.in_flight.items()))  # plans are sent in order: the first is the oldest
         waited = now - max(step.sent, self.last_finished)
-        bound, longest, ratio = self._bound(step.shape)
+        excused = self._excused(step_id)
+        bound, longest, ratio = (self.unseen_s, None, 1.0) if excused else self._bound(step.shape)
         if waited <= bound:
             return None
-        return StuckStep(step_id, waited, bound, longest, ratio)
+        return StuckStep(step_id, waited, bound, longest, ratio, excused)

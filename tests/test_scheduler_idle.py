@@ -41,10 +41,10 @@ MAX_BUSY_CPU_S = 0.3  # the scheduler's CPU time allowed meanwhile (spinning tak
 class SchedulerHarness:
     """A scheduler thread, with the test holding the frontend's and worker rank 0's ends of its sockets."""
 
-    def __init__(self, tmp_path: Path, num_kv_blocks: int) -> None:
+    def __init__(self, tmp_path: Path, num_kv_blocks: int, **config: object) -> None:
         (tmp_path / "config.json").write_text("{}")
         self.config = EngineConfig(model=str(tmp_path), max_model_len=1024, vocab_size=50_000, block_size=16,
-                                   num_kvcache_blocks=num_kv_blocks)
+                                   num_kvcache_blocks=num_kv_blocks, **config)
         self.endpoints = ipc.Endpoints.create(1)
         ctx = zmq.Context.instance()
         e = self.endpoints
@@ -114,8 +114,8 @@ class SchedulerHarness:
 def harness(tmp_path: Path) -> Iterator[callable]:
     made: list[SchedulerHarness] = []
 
-    def make(num_kv_blocks: int = 64) -> SchedulerHarness:
-        made.append(SchedulerHarness(tmp_path, num_kv_blocks))
+    def make(num_kv_blocks: int = 64, **config: object) -> SchedulerHarness:
+        made.append(SchedulerHarness(tmp_path, num_kv_blocks, **config))
         return made[-1]
 
     yield make

@@ -5,16 +5,20 @@ minutes), and never past DELTASERVE_STEP_TIMEOUT_S."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from common.protocol import NewRequest, StepPlan, i32
+from common import ipc
+from common.protocol import AddRequests, NewRequest, StepPlan, i32
 from deltaserve import EngineClient, SamplingParams
 from frontend.launcher import EngineDeadError
 from scheduler_proc.watchdog import StepShape, StepWatchdog
+from tests.fake_worker import make_request, synthetic_prompt
+from tests.test_scheduler_idle import SchedulerHarness
 
 CPU_UNSEEN_S = 3600.0
 DECODE = StepShape(tokens_bucket=1, context_bucket=7)  # one decode row at a context of 64..127 tokens
@@ -108,6 +112,50 @@ def test_zero_turns_the_watchdog_off() -> None:
     dog = StepWatchdog(unseen_s=0.0, floor_s=60.0)
     dog.sent(0, DECODE, 0.0)
     assert dog.stuck(10**9) is None
+
+
+def test_the_step_after_a_profiling_session_may_wait_for_the_trace_but_only_that_one() -> None:
+    """The workers write their traces once the session's last step is done: the next step to finish is bounded by
+    DELTASERVE_STEP_TIMEOUT_S alone, and its time is not learned (the steps after it are bounded as before)."""
+    dog = StepWatchdog(CPU_UNSEEN_S, floor_s=60.0)
+    for i in range(3):
+        _run(dog, i, DECODE, start=i * 1.0, took=0.05)
+    dog.excuse_after(2)
+    dog.sent(3, DECODE, 10.0)
+    assert dog.stuck(600.0) is None  # ten minutes of trace writing (a 256-row CPU session took over one)
+    stuck = dog.stuck(3611.0)
+    assert stuck is not None and stuck.after_profiling and stuck.bound_s == CPU_UNSEEN_S
+    dog.finished(3, 700.0)
+    assert dog.bound_s(DECODE) == (60.0, pytest.approx(0.05))  # 690 s were the trace's, not the step's
+    dog.sent(4, DECODE, 700.0)
+    assert dog.stuck(761.0).bound_s == 60.0 and not dog.stuck(761.0).after_profiling
+
+
+def test_a_worker_writing_its_trace_is_not_taken_for_a_stuck_one(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real scheduler loop, with the test as its worker: the profile window is steps 0..1; the worker sits on
+    step 2 for four times the floor (as while it writes its trace) and the engine serves on; it sits on step 4
+    as long, and that is a stuck worker."""
+    monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_S", "30")
+    monkeypatch.setenv("DELTASERVE_STEP_TIMEOUT_FLOOR_S", "0.4")
+    h = SchedulerHarness(tmp_path, 64, profile_dir=str(tmp_path / "profile"), profile_steps="0:2")
+    try:
+        ipc.send(h.to_scheduler, AddRequests([make_request(0, synthetic_prompt(20, 0), max_tokens=50)]))
+        plans = [h.recv_plan(), h.recv_plan()]  # two steps in flight: the prefill and the first decode
+        for step in range(4):
+            if step == 2:
+                time.sleep(1.6)
+            h.answer(plans[step])
+            plans.append(h.recv_plan())  # each result lets one more step go out
+        assert h.error is None and [p.step_id for p in plans] == [0, 1, 2, 3, 4, 5]
+        time.sleep(1.6)  # on step 4, a step like the measured ones
+        h.thread.join(5)
+        assert re.search(r"step 4 has not finished after \d+ s \(its bound is [\d.]+ s: 20 times the longest step like",
+                         str(h.error)), h.error
+        h.error = None
+    finally:
+        h.close()
+    assert Path(tmp_path / "profile" / "scheduler.phases.json").is_file()
 
 
 def test_a_steps_shape_buckets_its_tokens_and_the_context_its_rows_attend_to() -> None:
