@@ -231,8 +231,9 @@ class SchedulerProcess:
             why = (f"{self.watchdog.factor:g} times the longest step like it so far, {stuck.longest_s:.3g} s, "
                    f"at least DELTASERVE_STEP_TIMEOUT_FLOOR_S={self.watchdog.floor_s:g}")
         raise ExplainedError(
-            f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s (its bound is {round(stuck.bound_s, 1):g} s: "
-            f"{why}): a worker is stuck (a stopped process, a hung device, or a peer lost inside a collective)")
+            f"step {stuck.step_id} has not finished after {stuck.waited_s:.0f} s "
+            f"(its bound is {round(stuck.bound_s, 1):g} s: {why}): a worker is stuck (a stopped process, a hung "
+            "device, or a peer lost inside a collective)")
 
     def _handle_frontend(self, raw: bytes) -> bool:
         """Apply one frontend message; return True on shutdown."""
