@@ -14,6 +14,7 @@ The rules of the wire (versions, trailing defaults, deltas) are in the docstring
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -106,6 +107,7 @@ def wire_struct(cls: type) -> type:
     _HINTS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
     _DEFAULTS[cls] = [_field_default(f) for f in dataclasses.fields(cls)]
     _FIELD_FORMS[cls] = [_form_encoder(hint) for _, hint in _HINTS[cls]]
+    _ENCODERS[cls] = _struct_encoder(cls)
     return cls
 
 
@@ -140,28 +142,56 @@ def wire_message(cls: type) -> type:
     return cls
 
 
-def _at_default(value: Any, default: Any) -> bool:
+def _default_test(default: Any) -> Callable[[Any], bool]:
+    """A test of whether a field's value is its `default`, made once per field: the same type and equal (an empty
+    list, dict or array for an empty one; never for a field without a default)."""
     if default is _NO_DEFAULT:
-        return False
-    if isinstance(value, np.ndarray):
-        return isinstance(default, np.ndarray) and value.size == 0 and default.size == 0
+        return lambda v: False
+    if default is None:
+        return lambda v: v is None
+    if type(default) is bool:
+        return (lambda v: v is True) if default else (lambda v: v is False)
+    if isinstance(default, np.ndarray):
+        return (lambda v: isinstance(v, np.ndarray) and v.size == 0) if default.size == 0 else (lambda v: False)
+    kind = type(default)
     if isinstance(default, (list, dict)):
-        return type(value) is type(default) and not value and not default
-    return type(value) is type(default) and value == default
+        return (lambda v: type(v) is kind and not v) if not default else (lambda v: False)
+    return lambda v: type(v) is kind and v == default
 
 
-def _struct_to_wire(value: Any) -> list[Any]:
-    """A struct's fields in order, without the trailing ones that equal their defaults (the decoder puts
-    those back): a field nobody sets costs no byte."""
-    cls = type(value)
-    values = [getattr(value, name) for name, _ in _HINTS[cls]]
-    defaults = _DEFAULTS[cls]
-    end = len(values)
-    while end and _at_default(values[end - 1], defaults[end - 1]):
-        end -= 1
-    return [v if type(v) in _SCALARS else form(v) if form is not None
-            else _array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
-            for v, (_, hint), form in zip(values[:end], _HINTS[cls], _FIELD_FORMS[cls])]
+def _field_encoder(hint: Any, form: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """How one field's non-scalar value travels: its wire form, else as an array or through `_to_wire`. A field
+    declared as a list of scalars (token ids) goes as the list itself, unchecked: msgpack refuses any item
+    `_to_wire` would have left as it is."""
+    if form is not None:
+        return form
+    if typing.get_origin(hint) is list and typing.get_args(hint) and typing.get_args(hint)[0] in _SCALARS:
+        return lambda v: v if type(v) is list else _array_to_wire(v, hint) if isinstance(v, np.ndarray) \
+            else _to_wire(v)
+    return lambda v: _array_to_wire(v, hint) if isinstance(v, np.ndarray) else _to_wire(v)
+
+
+def _struct_encoder(cls: type) -> Callable[[Any], list[Any]]:
+    """`cls`'s encoder: its fields in order, without the trailing ones that equal their defaults (the decoder puts
+    those back: a field nobody sets costs no byte). Made once per struct, with a test and an encoder per field, so
+    that a message of 256 streamed outputs does not redo the per-field decisions for each (1.4 ms before)."""
+    names = [name for name, _ in _HINTS[cls]]
+    if not names:
+        return lambda value: []
+    getter = operator.attrgetter(*names)
+    get = getter if len(names) > 1 else (lambda value: (getter(value),))
+    is_default = [_default_test(d) for d in _DEFAULTS[cls]]
+    encoders = [_field_encoder(hint, form) for (_, hint), form in zip(_HINTS[cls], _FIELD_FORMS[cls])]
+    scalars = _SCALARS
+
+    def encode_struct(value: Any) -> list[Any]:
+        values = get(value)
+        end = len(values)
+        while end and is_default[end - 1](values[end - 1]):
+            end -= 1
+        return [v if type(v) in scalars else enc(v) for v, enc in zip(values[:end], encoders)]
+
+    return encode_struct
 
 
 def _array_to_wire(value: np.ndarray, hint: Any) -> bytes:
@@ -171,8 +201,9 @@ def _array_to_wire(value: np.ndarray, hint: Any) -> bytes:
 def _to_wire(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return i32(value).tobytes()
-    if type(value) in _HINTS:  # a registered struct (only those can travel)
-        return _struct_to_wire(value)
+    encode_struct = _ENCODERS.get(type(value))
+    if encode_struct is not None:  # a registered struct (only those can travel)
+        return encode_struct(value)
     if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):  # e.g. 100k prompt token ids: no per-item call
             return value
@@ -181,6 +212,7 @@ def _to_wire(value: Any) -> Any:
 
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+_ENCODERS: dict[type, Callable[[Any], list[Any]]] = {}  # per struct, `_struct_encoder`
 
 
 def encode(msg: Any) -> bytes:
@@ -340,12 +372,12 @@ def _fast_check(hint: Any) -> Callable[[Any], Any]:
     elif origin is list:
         (item,) = typing.get_args(hint)
         item_check = _fast_check(item)
-        plain = item if item in (int, str) else None
+        plain = {item} if item in (int, str) else None
 
         def check(v: Any) -> Any:
             if type(v) is not list:
                 raise _Mismatch
-            if plain is not None and all(type(x) is plain for x in v):
+            if plain is not None and set(map(type, v)) <= plain:  # in C: 10 us for 500 token ids, 16 with all()
                 return v
             return [item_check(x) for x in v]
     elif origin is dict:
