@@ -225,7 +225,11 @@ def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTex
         return {}
     ids = token_ids.tolist()
     out: dict[int, SampledLogprobs] = {}
+    cache, text_of, raw_of = texts.cache, texts, texts.raw_of
     for row, logprob, rank, top_ids, top_lps in iter_positions(lp):
-        text, top_texts = texts(ids[row]), [texts(i) for i in top_ids]
-        out[row] = (logprob, rank, text, top_ids, top_lps, top_texts, texts.raw_of(ids[row], top_ids, top_texts, text))
+        token = ids[row]
+        text = cache.get(token) or text_of(token)  # the cache written out: six lookups a row
+        top_texts = [cache.get(i) or text_of(i) for i in top_ids]
+        raw = raw_of(token, top_ids, top_texts, text) if "\ufffd" in text or "\ufffd" in "".join(top_texts) else None
+        out[row] = (logprob, rank, text, top_ids, top_lps, top_texts, raw)
     return out
