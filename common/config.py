@@ -28,6 +28,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Steps a profiling run traces by itself when `profile_steps` is not given: bounded, since a trace grows with
 # every step it holds (a worker's torch trace keeps each op and kernel of the window in memory until it stops).
 DEFAULT_PROFILE_STEPS = "0:100"
+MAX_PROFILE_STEPS = 2**31 - 1  # most steps one profiling session may trace (a client's, the HTTP route's, a window's)
+MAX_STEP_ID = 2**62  # step ids travel as msgpack integers: a window ends well inside int64
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: e.g. a submission of 800 prompts of 16k token ids
 
 
@@ -162,14 +164,15 @@ class EngineConfig:
                 raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.profile_dir is not None and not os.fspath(self.profile_dir).strip():
+            raise ConfigError(f"profile_dir must name a folder, got {self.profile_dir!r}")
         if self.profile_dir is not None:  # as for the model: the processes run in the repository's folder
             object.__setattr__(self, "profile_dir", os.path.abspath(os.fspath(self.profile_dir)))
         if isinstance(self.profile_steps, (list, tuple)) and len(self.profile_steps) == 2:
             object.__setattr__(self, "profile_steps", ":".join(str(s) for s in self.profile_steps))
         parse_profile_steps(self.profile_steps)
         if self.profile_steps != DEFAULT_PROFILE_STEPS and not self.profile_dir:
-            raise ConfigError("profile_steps (--profile-steps) needs profile_dir (--profile-dir: the folder the traces "
-                              "are written to)")
+            raise ConfigError("profile_steps needs a profile_dir (--profile-dir), the folder the traces are written to")
 
     # ------------------------------------------------------------------ derived values
     def resolve(self) -> EngineConfig:
@@ -279,6 +282,9 @@ def parse_profile_steps(text: object) -> tuple[int, int] | None:
         window = None
     if window is None or not 0 <= window[0] < window[1]:
         raise ConfigError(f"profile_steps must be 'A:B' with 0 <= A < B (the steps A..B-1) or 'none', got {text!r}")
+    if window[1] - window[0] > MAX_PROFILE_STEPS or window[1] > MAX_STEP_ID:
+        raise ConfigError(f"profile_steps may trace at most {MAX_PROFILE_STEPS} steps (a trace keeps every event in "
+                          f"memory), ending by step {MAX_STEP_ID}; got {text!r}")
     return window
 
 

@@ -205,7 +205,11 @@ def maybe_profile(profile_dir: str | None, name: str) -> Iterator[None]:
         yield
     finally:
         prof.disable()
-        prof.dump_stats(os.path.join(profile_dir, f"{name}.prof"))
+        path = os.path.join(profile_dir, f"{name}.prof")
+        try:
+            prof.dump_stats(path)
+        except OSError as exc:  # the folder was removed meanwhile: the exit goes on, without this file
+            logging.getLogger("deltaserve").error("%s: could not write %s: %s", name, path, exc.strerror or exc)
 
 
 def engine_process_main(kind: str, module: str, description: str, factory: Callable[..., Any],

@@ -38,10 +38,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from common import envs
-from common.config import DEFAULT_PROFILE_STEPS, EngineConfig, parse_profile_steps
+from common.config import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, EngineConfig, parse_profile_steps
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
-
-MAX_PROFILE_STEPS = 2**31 - 1  # most steps a client's session may ask for (the HTTP route's bound too)
 
 log = logging.getLogger("deltaserve.profiling")
 PHASES_FORMAT = "deltaserve-phases/1"
@@ -208,7 +206,12 @@ class ProcessProfiler:
             self.stop()
         import torch.profiler
 
-        os.makedirs(msg.folder, exist_ok=True)
+        try:
+            os.makedirs(msg.folder, exist_ok=True)
+        except OSError as exc:  # the scheduler made it: it was removed or replaced since; this process sits it out
+            log.error("%s: profiling session %d is not recorded here: cannot create %s: %s", self.name, msg.session,
+                      msg.folder, exc.strerror or exc)
+            return
         self.session, self.steps = msg, {}
         with kineto_markers_dropped():
             self._new_profile().start()
@@ -251,8 +254,12 @@ class ProcessProfiler:
             "phases": self.phases.phases, "steps": {str(k): v for k, v in self.steps.items()},
         }
         path = os.path.join(msg.folder, f"{self.name}.phases.json")
-        write_atomically(path, json.dumps(record).encode())
         self.phases.phases, self.steps = [], {}
+        try:
+            write_atomically(path, json.dumps(record).encode())
+        except OSError as exc:  # the folder was removed or filled: a lost trace must not take the engine down
+            log.error("%s: could not write %s: %s", self.name, path, exc.strerror or exc)
+            return None
         return path
 
     def close(self) -> None:
@@ -328,7 +335,9 @@ class SchedulerProfiling:
         first, end = self.window
         self.window = None  # once: later sessions are the clients'
         if step_id < end:
-            self._start(step_id, end - 1)
+            why = self._start(step_id, end - 1)
+            if why is not None:
+                log.error("the --profile-steps window is not traced: %s", why)
 
     def after_plan(self, step_id: int) -> None:
         if self.active is not None and self.stop_after is None and step_id >= self.active.last_step:
@@ -352,8 +361,9 @@ class SchedulerProfiling:
             elif not 0 <= msg.num_steps <= MAX_PROFILE_STEPS:  # step ids must stay int64 on the wire
                 self.send_frontend(ProfileStatus(error=f"num_steps must be in [0, {MAX_PROFILE_STEPS}] (0: "
                                                        f"{self.default_num_steps} steps), got {msg.num_steps}"))
+            elif why := self._start(next_step_id, next_step_id + (msg.num_steps or self.default_num_steps) - 1):
+                self.send_frontend(ProfileStatus(error=why))
             else:
-                self._start(next_step_id, next_step_id + (msg.num_steps or self.default_num_steps) - 1)
                 started = self.active
                 assert started is not None
                 self.send_frontend(ProfileStatus(started.session, started.first_step, started.last_step,
@@ -371,16 +381,23 @@ class SchedulerProfiling:
                 if not steps_in_flight:  # every planned step's outputs have gone out
                     self._finish()
 
-    def _start(self, first_step: int, last_step: int) -> None:
+    def _start(self, first_step: int, last_step: int) -> str | None:
+        """Start a session of steps `first_step..last_step`; returns why it could not start (its folder cannot be
+        made: a file in its place, a removed or read-only profile_dir), else None."""
         assert self.profile_dir is not None
+        folder = session_folder(self.profile_dir, self.num_sessions + 1)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create the session's folder {folder}: {exc.strerror or exc}"
         self.num_sessions += 1
-        msg = ProfileStart(self.num_sessions, first_step, last_step,
-                           session_folder(self.profile_dir, self.num_sessions))
+        msg = ProfileStart(self.num_sessions, first_step, last_step, folder)
         self.active, self.stop_after = msg, None
         self.send_workers(msg)
         self.send_frontend(msg)
         self.profiler.start(msg)
         log.info("profiling session %d: steps %d..%d into %s", msg.session, first_step, last_step, msg.folder)
+        return None
 
     def _stop_workers(self, last_step: int) -> None:
         assert self.active is not None

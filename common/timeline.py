@@ -317,8 +317,9 @@ def device_summary(record: dict[str, Any], trace: dict[str, Any] | None, alignme
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as the table printed at the end of a run."""
     cut = "" if summary["complete"] else " (cut short by the shutdown)"
-    lines = [f"deltaserve profile, session {summary['session']}: steps {summary['first_step']}..{summary['last_step']}"
-             f"{cut} in {summary['folder']}",
+    first, last = summary["first_step"], summary["last_step"]
+    steps = f"steps {first}..{last}" if last >= first else f"no step (stopped before step {first} ran)"
+    lines = [f"deltaserve profile, session {summary['session']}: {steps}{cut} in {summary['folder']}",
              f"  timeline: {os.path.join(summary['folder'], TIMELINE)} (open in https://ui.perfetto.dev or "
              "chrome://tracing); per process: <name>.pt.trace.json.gz, <name>.phases.json",
              "",

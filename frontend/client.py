@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from common import ipc
+from common.config import MAX_PROFILE_STEPS
 from common.curve import CurveKeys
 from common.gc_pause import collector_paused
 from common.protocol import (
@@ -475,7 +476,11 @@ class EngineClient:
         """Start tracing every engine process at the next step, for at most `num_steps` steps (0: as many as
         the engine's --profile-steps window holds) or until `stop_profile()`. Returns the session's status
         (its number, first and last step, folder). Raises `RuntimeError` with the engine's reason if it
-        refuses (profiling off, a session already running), `EngineConnectionError` if it does not answer."""
+        refuses (profiling off, a session already running), `EngineConnectionError` if it does not answer, and
+        `ValueError` for `num_steps` outside [0, MAX_PROFILE_STEPS] (2**31 - 1)."""
+        if type(num_steps) is not int or not 0 <= num_steps <= MAX_PROFILE_STEPS:
+            raise ValueError(f"num_steps must be an int in [0, {MAX_PROFILE_STEPS}] (0: the engine's window length), "
+                             f"got {num_steps!r}")
         return self._profile_request(StartProfile(num_steps), timeout_s)
 
     def stop_profile(self, timeout_s: float = 600.0) -> ProfileStatus:

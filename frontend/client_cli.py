@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from common.config import MAX_PROFILE_STEPS
 from common.curve import CurveKeys, client_keys, load_key_file
 from common.protocol import GenerateRequest, RequestOutput
 from frontend.cli import (
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--start-profile and --stop-profile are used alone (no prompts, not both at once)")
     if not profiling and not args.prompts:
         p.error("give one or more prompts, or --start-profile / --stop-profile")
-    if args.start_profile is not None and args.start_profile < 0:
-        p.error(f"--start-profile STEPS must be >= 0, got {args.start_profile}")
+    if args.start_profile is not None and not 0 <= args.start_profile <= MAX_PROFILE_STEPS:
+        p.error(f"--start-profile STEPS must be in [0, {MAX_PROFILE_STEPS}] (0: the engine's window length), "
+                f"got {args.start_profile}")
     if not args.timeout > 0:  # also refuses NaN
         p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     params = sampling_params_from_args(p, args, temperature=args.temperature, max_tokens=args.max_tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,9 +49,20 @@ def test_a_bad_profile_steps_is_refused_naming_the_setting(text: str) -> None:
         parse_profile_steps(text)
 
 
+@pytest.mark.parametrize("text", [f"0:{2**31}", f"{2**62}:{2**62 + 1}", "0:99999999999999999999"])
+def test_a_profile_steps_window_stays_bounded_and_inside_int64(text: str) -> None:
+    with pytest.raises(ConfigError, match="profile_steps may trace at most 2147483647 steps"):
+        parse_profile_steps(text)
+
+
+def test_an_empty_profile_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="profile_dir must name a folder, got ''"):
+        EngineConfig(write_checkpoint(tmp_path / "m"), profile_dir="")
+
+
 def test_profile_steps_without_a_profile_dir_is_refused(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "m")
-    with pytest.raises(ConfigError, match=r"profile_steps \(--profile-steps\) needs profile_dir \(--profile-dir"):
+    with pytest.raises(ConfigError, match=r"profile_steps needs a profile_dir \(--profile-dir\)"):
         EngineConfig(model, profile_steps="3:9")
     config = EngineConfig(model, profile_dir="relative/profile", profile_steps=(3, 9))
     assert config.profile_steps == "3:9"
@@ -367,6 +379,24 @@ def test_a_server_is_profiled_from_the_client_command_line(tiny_qwen3: Path, tmp
             time.sleep(0.2)
         summary = json.loads((folder / "session-2" / "summary.json").read_text())
         assert summary["last_step"] - summary["first_step"] == 1
+        assert client("--start-profile").returncode == 0
+        result = client("--stop-profile")  # before any step ran
+        assert result.stdout.startswith("deltaserve profile, session 3: no step (stopped before step "), result.stdout
+        # A session whose folder cannot be made is refused; one whose folder goes away loses its files. The engine
+        # serves on either way.
+        (folder / "session-4").write_text("")
+        result = client("--start-profile")
+        assert result.returncode == 1
+        assert f"error: cannot create the session's folder {folder / 'session-4'}: File exists" in result.stderr
+        assert client("--max-tokens", "4", "--ignore-eos", "Still there?").returncode == 0
+        (folder / "session-4").unlink()
+        assert client("--start-profile").returncode == 0
+        assert client("--max-tokens", "4", "--ignore-eos", "Hello").returncode == 0
+        shutil.rmtree(folder / "session-4")
+        result = client("--stop-profile")
+        assert result.returncode == 1 and "but merging them failed" in result.stderr, result.stderr
+        assert client("--max-tokens", "4", "--ignore-eos", "Still there?").returncode == 0
+        assert server.poll() is None
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=180)
@@ -374,7 +404,9 @@ def test_a_server_is_profiled_from_the_client_command_line(tiny_qwen3: Path, tmp
 
 def test_client_profile_options_are_used_alone(capsys: pytest.CaptureFixture) -> None:
     for argv, message in [(["--start-profile", "--stop-profile"], "used alone"), (["--stop-profile", "hi"], "alone"),
-                          (["--start-profile", "-3"], "must be >= 0"), ([], "give one or more prompts")]:
+                          (["--start-profile", "-3"], "must be in [0, 2147483647]"),
+                          (["--start-profile", str(2**70)], "must be in [0, 2147483647]"),
+                          ([], "give one or more prompts")]:
         with pytest.raises(SystemExit) as exc:
             client_main(argv)
         assert exc.value.code == 2
