@@ -101,7 +101,8 @@ def usable_folder(path: str, what: str) -> str:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"{what}={path!r} cannot be used as a folder: {exc.strerror or exc}") from None
+        why = "it is a file" if os.path.isfile(path) else exc.strerror or str(exc)
+        raise ValueError(f"{what}={path!r} cannot be used as a folder: {why}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what}={path!r} cannot be used as a folder: it is not writable")
     return path

@@ -40,6 +40,7 @@ from typing import Any
 from common import envs
 from common.config import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, EngineConfig, parse_profile_steps
 from common.protocol import ProfileStart, ProfileStatus, ProfileStop, StartProfile, StopProfile
+from common.units import count
 
 log = logging.getLogger("deltaserve.profiling")
 PHASES_FORMAT = "deltaserve-phases/1"
@@ -372,7 +373,8 @@ class SchedulerProfiling:
             last = (f"; the last session's summary is in "
                     f"{os.path.join(session_folder(self.profile_dir, self.num_sessions), 'summary.txt')}"
                     if self.num_sessions else "")
-            self.send_frontend(ProfileStatus(error=f"not profiling ({self.num_sessions} sessions so far{last})"))
+            sessions = count(self.num_sessions, "session")
+            self.send_frontend(ProfileStatus(error=f"not profiling ({sessions} so far{last})"))
         else:
             last = self.stop_after if self.stop_after is not None else min(active.last_step, next_step_id - 1)
             self.send_frontend(ProfileStatus(active.session, active.first_step, last, active.folder))

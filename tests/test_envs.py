@@ -198,7 +198,7 @@ def test_an_unusable_step_log_dir_or_profile_dir_stops_the_engine_before_any_pro
     with pytest.raises(ValueError, match="DELTASERVE_STEP_LOG_DIR"):
         EngineProcesses(EngineConfig(model, device="cpu"))
     monkeypatch.delenv("DELTASERVE_STEP_LOG_DIR")
-    with pytest.raises(ConfigError, match="profile_dir=.* cannot be used as a folder"):
+    with pytest.raises(ConfigError, match="profile_dir=.* cannot be used as a folder: it is a file"):
         EngineProcesses(EngineConfig(model, device="cpu", profile_dir=str(a_file)))
 
 

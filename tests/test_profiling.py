@@ -109,7 +109,7 @@ def test_the_scheduler_starts_the_window_at_its_first_step_and_stops_it_after_th
     assert len(sent.workers) == 2
     prof.request(StopProfile(), next_step_id=6, steps_in_flight=False)  # too late: it ended by itself
     summary = Path(profiled_config.profile_dir, "summary.txt")
-    assert sent.frontend[-1].error == f"not profiling (1 sessions so far; the last session's summary is in {summary})"
+    assert sent.frontend[-1].error == f"not profiling (1 session so far; the last session's summary is in {summary})"
 
 
 def test_a_client_session_runs_from_the_next_step_and_stops_after_the_last_one_planned(
