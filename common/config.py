@@ -164,9 +164,9 @@ class EngineConfig:
                 raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        if self.profile_dir is not None and not os.fspath(self.profile_dir).strip():
-            raise ConfigError(f"profile_dir must name a folder, got {self.profile_dir!r}")
         if self.profile_dir is not None:  # as for the model: the processes run in the repository's folder
+            if not os.fspath(self.profile_dir).strip():
+                raise ConfigError(f"profile_dir must name a folder, got {self.profile_dir!r}")
             object.__setattr__(self, "profile_dir", os.path.abspath(os.fspath(self.profile_dir)))
         if isinstance(self.profile_steps, (list, tuple)) and len(self.profile_steps) == 2:
             object.__setattr__(self, "profile_steps", ":".join(str(s) for s in self.profile_steps))

@@ -67,6 +67,8 @@ class TokenTexts:
 
     def raw_of(self, token_id: int, top_ids: list[int], top_texts: list[str], text: str) -> dict[int, bytes] | None:
         """`LogprobColumns.append`'s `raw` for one position: -1 for its token, i for top entry i; None if none."""
+        if "\ufffd" not in text and "\ufffd" not in "".join(top_texts):  # almost every position: one search
+            return None
         raw = {i: b for i, (t, x) in enumerate(zip(top_ids, top_texts)) if (b := self.raw_if_split(t, x))}
         if b := self.raw_if_split(token_id, text):
             raw[-1] = b
@@ -230,6 +232,5 @@ def sampled_logprobs(lp: Logprobs | None, token_ids: np.ndarray, texts: TokenTex
         token = ids[row]
         text = cache.get(token) or text_of(token)  # the cache written out: six lookups a row
         top_texts = [cache.get(i) or text_of(i) for i in top_ids]
-        raw = raw_of(token, top_ids, top_texts, text) if "\ufffd" in text or "\ufffd" in "".join(top_texts) else None
-        out[row] = (logprob, rank, text, top_ids, top_lps, top_texts, raw)
+        out[row] = (logprob, rank, text, top_ids, top_lps, top_texts, raw_of(token, top_ids, top_texts, text))
     return out

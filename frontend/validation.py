@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from common.config import EngineConfig
-from common.errors import ExplainedError, shorten
+from common.errors import ExplainedError, quote, shorten
 from common.limits import prompt_limit_error, token_id_range_error
 from common.protocol import (
     EngineRequest,
@@ -94,8 +94,8 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _shown(value: Any) -> str:
-    """A value as an error message names it: its type, and its start."""
-    return "nothing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+    """A value as an error message names it: its type, and its text as `quote` cuts it."""
+    return "nothing" if value is None else f"{type(value).__name__} {quote(str(value))}"
 
 
 def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
