@@ -14,11 +14,18 @@ one Qwen3-0.6B forward (28 x (qkv + o + gate_up + down) + the LM head) at each M
 `--small-sweep`: at M = 1 and 8 (a decode step of few rows), the forward totals of other tiles, warps and stages of
 the K split every 512 features, each with the persistent grid at 1, 2 and 4 programs per SM; "bits" says whether
 every layer's output equals the default configuration's (it must: only the tile and the grid differ).
+`--graph-sweep`: the few-row tiles timed the way a decode step runs them: one CUDA graph holding a whole forward's
+linear layers (28 distinct weights of each shape, so nothing stays in L2 between layers, and the LM head), replayed;
+launch latency between kernels counts as in the engine, the L2 is not cleared by hand, and timing noise is that of
+graph replays (a few microseconds). Beside them, in the same harness: the default mode's GEMV and cuBLAS. The last
+line, `best tile: ...`, is the fastest configuration at M = 1 that gives the default's bits, in the form
+DELTASERVE_MATMUL_SMALL_TILE takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -30,6 +37,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_kernels.batch_invariant import HOPPER_CONFIGS, MatmulConfig, persistent_matmul  # noqa: E402
+from gpu_kernels.gemv import gemv  # noqa: E402
 
 # (layer, N, K, times per forward)
 SHAPES = [
@@ -125,17 +133,95 @@ def small_sweep(dtype: torch.dtype) -> None:
                       f"{'same' if same else 'DIFFER'}")
 
 
+GRAPH_TILES = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (2, 4) for stages in (3, 4, 6)]
+GRAPH_PER_SM = (1, 2, 4, 8)
+
+
+def graph_forward_ms(run, replays: int = 20, repeats: int = 7) -> float:
+    """Milliseconds per call of `run` replayed in a CUDA graph (median of `repeats` timings of `replays` replays)."""
+    run()  # compiles, and allocates the split counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_sweep(dtype: torch.dtype) -> None:
+    layers = [(n, k, [(torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for _ in range(count)])
+              for _, n, k, count in SHAPES]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = HOPPER_CONFIGS[dtype][0][1]
+
+    def forward(m: int, linear):
+        xs = {k: torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(k)).to(dtype)
+              for _, k, _ in layers}
+
+        def run():
+            return [linear(xs[k], w) for _, k, ws in layers for w in ws]
+        return run
+
+    def matmul_with(config: MatmulConfig):
+        return lambda x, w: persistent_matmul(x, w, config=config)
+
+    print(f"\nOne forward's linear layers in a CUDA graph (ms), {sms} SMs; default few-row tile {default}")
+    best: dict[int, tuple[float, MatmulConfig]] = {}
+    ranked: list[tuple[float, MatmulConfig]] = []  # M = 1's configurations, fastest first; the larger M try 6
+    for m in (1, 4, 16):
+        reference = forward(m, matmul_with(default))()
+        print(f"  M={m}: default mode GEMV {graph_forward_ms(forward(m, gemv)):.3f}, cuBLAS "
+              f"{graph_forward_ms(forward(m, F.linear)):.3f}, ours as configured "
+              f"{graph_forward_ms(forward(m, matmul_with(default))):.3f}")
+        tiles = GRAPH_TILES if m == 1 else [(c.block_n, c.num_warps, c.num_stages) for _, c in ranked[:6]]
+        results = []
+        for block_n, warps, stages in tiles:
+            for per_sm in GRAPH_PER_SM if m == 1 else sorted({c.programs_per_sm for _, c in ranked[:6]}):
+                config = dataclasses.replace(default, block_n=block_n, num_warps=warps, num_stages=stages,
+                                             programs_per_sm=per_sm)
+                run = forward(m, matmul_with(config))
+                same = all(torch.equal(a, b) for a, b in zip(run(), reference))
+                ms = graph_forward_ms(run)
+                results.append((ms, config))
+                print(f"    M={m} block_n {block_n:>3} w{warps} s{stages} x{per_sm}: {ms:.3f} ms, bits "
+                      f"{'same' if same else 'DIFFER'}", flush=True)
+                if not same:
+                    results.pop()
+        if m == 1:
+            ranked = sorted(results, key=lambda r: r[0])
+        best[m] = min(results, key=lambda r: r[0])
+    ms, config = best[1]
+    print(f"fastest at M=1: {ms:.3f} ms; at M=4 {best[4][0]:.3f}, M=16 {best[16][0]:.3f}")
+    print(f"best tile: block_n={config.block_n},num_warps={config.num_warps},num_stages={config.num_stages},"
+          f"programs_per_sm={config.programs_per_sm}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
     parser.add_argument("--small-sweep", action="store_true", help="also time small-batch tiles and grid sizes")
+    parser.add_argument("--graph-sweep", action="store_true",
+                        help="only time few-row tiles and grids on a whole forward in a CUDA graph")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, our configuration {HOPPER_CONFIGS[dtype]}")
+    if args.graph_sweep:
+        graph_sweep(dtype)
+        return
     if args.small_sweep:
         small_sweep(dtype)
         return

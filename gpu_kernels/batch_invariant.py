@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,8 @@ class MatmulConfig:
         M, where the output tiles alone would leave most SMs idle).
     group_m: row tiles that take their turns on one column of weight tiles, so that column stays in L2.
     num_warps, num_stages: Triton's launch options.
+    programs_per_sm: the persistent grid's programs per SM at most (capped at the work items). Several keep more
+        weight loads in flight where each program has few tiles to stream (a decode step's few rows).
     """
 
     block_m: int
@@ -68,6 +71,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -83,6 +87,8 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.num_warps must be a power of two, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"MatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"MatmulConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
 
 
 # Hopper (H100/H200), for M from 1 to 8192 and N, K from hundreds to tens of thousands: a configuration per range
@@ -111,6 +117,43 @@ HOPPER_CONFIGS = {
     torch.float16: _hopper_family(64),
     torch.float32: _hopper_family(32),
 }
+
+SMALL_TILE_ENV = "DELTASERVE_MATMUL_SMALL_TILE"
+# What the small-batch override may set: the tile and the grid, which never change an element's arithmetic.
+_TILE_FIELDS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "programs_per_sm")
+
+
+def parse_tile_override(text: str) -> dict[str, int]:
+    """`"block_n=32,num_warps=4"` as {"block_n": 32, "num_warps": 4}; "" gives {}.
+
+    Raises:
+        ValueError: an item not `key=integer`, or a key outside the tile and grid fields (block_k and k_split fix
+            the arithmetic and cannot be overridden).
+    """
+    fields: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _TILE_FIELDS or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{SMALL_TILE_ENV}: {item!r} is not key=integer with a key among "
+                             f"{', '.join(_TILE_FIELDS)}")
+        fields[key] = int(value)
+    return fields
+
+
+def with_small_tile(families: dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]], text: str
+                     ) -> dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]]:
+    """Each dtype's few-row configuration (the first) with the tile fields of `text` (see `parse_tile_override`)."""
+    fields = parse_tile_override(text)
+    if not fields:
+        return families
+    return {dtype: ((family[0][0], dataclasses.replace(family[0][1], **fields)), *family[1:])
+            for dtype, family in families.items()}
+
+
+# DELTASERVE_MATMUL_SMALL_TILE (read once): the few-row configuration's tile and grid on another GPU, say the
+# winner of `benchmarks/batch_invariant_bench.py --graph-sweep`; a row's bits stay those of the default.
+HOPPER_CONFIGS = with_small_tile(HOPPER_CONFIGS, os.environ.get(SMALL_TILE_ENV, ""))
 
 
 def hopper_config(dtype: torch.dtype, m: int) -> MatmulConfig:
@@ -160,8 +203,8 @@ def _persistent_matmul_kernel(
 ):
     # The K range is cut at every K_SPLIT features into splits; each split's products are summed from zero by one
     # chain of tl.dot steps over its K tiles, and the splits' sums are added to a float32 total in increasing
-    # order. Program p takes work items p, p + P, p + 2P, ... (P programs, at most one per SM). Without SPLIT_OUT a
-    # work item is an output tile, all its splits in turn (the total kept in registers); with SPLIT_OUT it is one
+    # order. Program p takes work items p, p + P, p + 2P, ... (P programs, a few per SM at most). Without SPLIT_OUT
+    # a work item is an output tile, all its splits in turn (the total kept in registers); with SPLIT_OUT it is one
     # split of one tile, whose sum goes to partial[split]; the program that stores a tile's last split to arrive
     # (gpu_kernels/split_counters.py) adds the tile's partials up in split order. Either way an output element is
     # the same sequence of float32 operations, whatever M is, whichever mode ran and whichever split came last.
@@ -282,8 +325,8 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         config: the launch configuration; None: `hopper_config(x.dtype, M)`. Row-invariance holds for any one
             config used for every M, and for configurations that differ only in their tile (block_m, block_n,
             group_m, num_warps, num_stages), as `HOPPER_CONFIGS`' do (see there).
-        num_programs: programs of the persistent grid; None: the device's SM count (132 for CPU tensors), capped
-            at the number of work items. It never changes the result.
+        num_programs: programs of the persistent grid; None: `config.programs_per_sm` times the device's SM count
+            (132 for CPU tensors), capped at the number of work items. It never changes the result.
         split_out: compute K's splits side by side, each program's split sum to a float32 workspace
             `[splits, M, N]` that the last of a tile's programs to finish adds up (True), or every split of a tile in
             one program (False). None: side by side where the output tiles are fewer than the programs and K has
@@ -313,7 +356,7 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     splits = triton.cdiv(k, config.k_split)
-    max_programs = num_programs or _num_sms(x.device)
+    max_programs = num_programs or config.programs_per_sm * _num_sms(x.device)
     if split_out is None:
         split_out = splits > 1 and tiles < max_programs
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split_out else y

@@ -18,6 +18,7 @@ the CPU torch paths run at Qwen3 shapes. The tests marked `gpu` run both kernels
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -29,15 +30,18 @@ pytest.importorskip("triton")
 from gpu_kernels.batch_invariant import (  # noqa: E402
     CPU_CHUNK_ROWS,
     HOPPER_CONFIGS,
+    SMALL_TILE_ENV,
     MatmulConfig,
     chunked_linear,
     chunked_rms_norm,
     hopper_config,
     matmul_batch_invariant,
+    parse_tile_override,
     persistent_matmul,
     rms_norm_batch_invariant,
     rms_norm_rows,
     silu_and_mul_rows,
+    with_small_tile,
 )
 from tests.kernels.hopper_compile import run_compile_script  # noqa: E402
 
@@ -292,6 +296,42 @@ def test_matmul_config_refuses_a_block_that_is_not_a_power_of_two() -> None:
 def test_matmul_config_refuses_a_k_split_that_cuts_a_k_tile() -> None:
     with pytest.raises(ValueError, match=r"k_split must be a multiple of block_k \(64\), got 96"):
         MatmulConfig(block_m=64, block_n=64, block_k=64, k_split=96)
+
+
+def test_matmul_config_refuses_fewer_than_one_program_per_sm() -> None:
+    with pytest.raises(ValueError, match="programs_per_sm must be >= 1, got 0"):
+        MatmulConfig(block_m=16, block_n=64, block_k=64, programs_per_sm=0)
+
+
+def test_persistent_matmul_gives_the_same_bits_with_more_programs_per_sm() -> None:
+    """More programs only deal the work items out differently: a row of one batch and the batch are the bits of
+    one program per SM."""
+    x, weight, bias = random_inputs(5, 40, 96, torch.float32, with_bias=True, seed=3)
+    wide = dataclasses.replace(SMALL_TILES, programs_per_sm=3)
+
+    assert torch.equal(persistent_matmul(x, weight, bias, config=wide, split_out=True),
+                       persistent_matmul(x, weight, bias, config=SMALL_TILES, num_programs=2, split_out=True))
+
+
+def test_the_small_tile_override_sets_only_the_few_row_configuration_s_tile() -> None:
+    assert parse_tile_override(" block_n=32, num_warps=2,programs_per_sm=4 ,") == {
+        "block_n": 32, "num_warps": 2, "programs_per_sm": 4}
+    assert parse_tile_override("") == {}
+    changed = with_small_tile(HOPPER_CONFIGS, "block_n=32,programs_per_sm=4")
+    for dtype, family in changed.items():
+        first = family[0][1]
+        assert (first.block_n, first.programs_per_sm) == (32, 4)
+        assert (first.block_k, first.k_split) == (HOPPER_CONFIGS[dtype][0][1].block_k,
+                                                  HOPPER_CONFIGS[dtype][0][1].k_split)
+        assert family[1:] == HOPPER_CONFIGS[dtype][1:]
+    assert with_small_tile(HOPPER_CONFIGS, "") is HOPPER_CONFIGS
+
+
+@pytest.mark.parametrize("text", ["k_split=256", "block_k=128", "block_n", "block_n=wide", "warps=4"])
+def test_the_small_tile_override_refuses_anything_but_tile_fields(text: str) -> None:
+    """block_k and k_split fix a row's arithmetic: they cannot be set for few rows alone."""
+    with pytest.raises(ValueError, match=f"{SMALL_TILE_ENV}: .* is not key=integer with a key among block_m"):
+        parse_tile_override(text)
 
 
 def test_every_dtype_s_hopper_configurations_share_their_k_step_and_split_and_cover_every_m() -> None:
