@@ -85,6 +85,7 @@ import numpy as np
 import torch
 import triton
 
+from gpu_kernels.pdl import launch_options, pdl_for
 from gpu_kernels.processed_sampling_device import (
     DEFAULT_CAP_A,
     DEFAULT_CAP_B,
@@ -329,28 +330,33 @@ def processed_sample(
     inputs = (ws.scratch, grammar, seen, output, counts)
     tiles = (b["tile_max"], b["tile_min"], b["tile_sum"], b["tile_cnt"])
     searches = (b["state_f"], b["state_i"], b["row"], b["cnt"], b["mass"], b["ext"])
+    pdl = pdl_for(logits)  # every launch below waits for the one before inside the kernel (gpu_kernels/pdl.py)
+    launch = launch_options(pdl)
     _prepare_kernel[grid](*common, *inputs, *entries, last, int(last_sampled is not None), *tiles, vocab, num_words,
-                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, TPB=tpb, EB=_ENTRY_BLOCK, num_warps=4)
-    _plan_kernel[rows](fp, ip, *tiles, b["state_f"], b["state_i"], b["row"], n, ws.num_tiles, NT=nt, num_warps=4)
+                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, TPB=tpb, EB=_ENTRY_BLOCK, num_warps=4, PDL=pdl,
+                          **launch)
+    _plan_kernel[rows](fp, ip, *tiles, b["state_f"], b["state_i"], b["row"], n, ws.num_tiles, NT=nt, num_warps=4,
+                       PDL=pdl, **launch)
     for pass_index in range(1, ws.num_passes + 1):
         _pivot_kernel[grid](*common, *inputs, b["tile_max"], *searches, pass_index, n, num_chunks, vocab, num_words,
                             ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b,
-                            num_warps=4)
+                            num_warps=4, PDL=pdl, **launch)
     _collect_kernel[grid](*common, *inputs, b["tile_max"], *searches, b["val_a"], b["id_a"], b["val_b"], b["id_b"],
                           ws.num_passes, n, num_chunks, vocab, num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile,
-                          CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, num_warps=4)
+                          CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, num_warps=4, PDL=pdl, **launch)
     _resolve_kernel[rows](fp, ip, b["state_f"], b["state_i"], b["row"], b["val_a"], b["id_a"], b["val_b"], b["id_b"],
                           b["top_v"], b["top_id"], b["flags"], ws.num_passes + 1, n, NB=MAX_TOP, CAP_A=ws.cap_a,
-                          CAP_B=ws.cap_b, SMALL_A=min(_SMALL_SORT, ws.cap_a), num_warps=4)
+                          CAP_B=ws.cap_b, SMALL_A=min(_SMALL_SORT, ws.cap_a), num_warps=4, PDL=pdl, **launch)
     partials = (b["best_score"], b["best_index"], b["best_y"], b["kept_mass"])
     _sample_kernel[grid](*common, seeds, *inputs, b["tile_max"], b["row"], *partials, num_chunks, vocab, num_words,
-                         ws.num_tiles, CHUNK=chunk_size, TILE=tile, BLOCK_V=min(2048, chunk_size), num_warps=4)
+                         ws.num_tiles, CHUNK=chunk_size, TILE=tile, BLOCK_V=min(2048, chunk_size), num_warps=4,
+                         PDL=pdl, **launch)
     _rank_kernel[grid](*common, *inputs, b["tile_max"], b["row"], *partials, b["rank"], tokens, num_chunks, vocab,
                        num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, BLOCK_V=min(2048, chunk_size),
-                       num_warps=4)
+                       num_warps=4, PDL=pdl, **launch)
     _finish_kernel[rows](ip, b["row"], b["rank"], b["top_v"], b["top_id"], b["flags"], ws.overflow_count,
                          out.logprobs, out.ranks, out.top_logprobs, out.top_ids, out.thresholds, out.flags,
-                         num_chunks, num_top, CH=ch, NB=MAX_TOP, num_warps=1)
+                         num_chunks, num_top, CH=ch, NB=MAX_TOP, num_warps=1, PDL=pdl, **launch)
     return out
 
 

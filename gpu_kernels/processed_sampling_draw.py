@@ -70,9 +70,12 @@ def _sample_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, seeds_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr,
     counts_ptr, tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr,
     num_chunks, vocab_size, num_words, num_tiles,
-    CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -146,9 +149,12 @@ def _rank_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     tile_max_ptr, row_ptr, best_score_ptr, best_index_ptr, best_y_ptr, kept_mass_ptr, rank_ptr, tokens_ptr,
     num_chunks, vocab_size, num_words, num_tiles,
-    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -194,9 +200,12 @@ def _rank_kernel(
 def _finish_kernel(
     iparams_ptr, row_ptr, rank_ptr, top_v_ptr, top_id_ptr, flags_ptr, overflow_ptr,
     logprob_ptr, rank_out_ptr, top_logprob_ptr, top_ids_ptr, threshold_ptr, flags_out_ptr, num_chunks, num_top,
-    CH: tl.constexpr, NB: tl.constexpr,
+    CH: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     num_logprobs = tl.load(iparams_ptr + row * _NI + 4)
     asks = num_logprobs >= 0
     r = row_ptr + row * _SW

@@ -54,9 +54,12 @@ def _prepare_kernel(
     logits_ptr, stride_row, fparams_ptr, iparams_ptr, scratch_ptr, bitmask_ptr, seen_ptr, output_ptr, counts_ptr,
     offsets_ptr, entry_tokens_ptr, entry_bias_ptr, entry_ban_ptr, last_ptr, has_last,
     tile_max_ptr, tile_min_ptr, tile_sum_ptr, tile_cnt_ptr, vocab_size, num_words, num_tiles,
-    CHUNK: tl.constexpr, TILE: tl.constexpr, TPB: tl.constexpr, EB: tl.constexpr,
+    CHUNK: tl.constexpr, TILE: tl.constexpr, TPB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -123,9 +126,12 @@ def _prepare_kernel(
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled variant whatever the value
 def _plan_kernel(
     fparams_ptr, iparams_ptr, tile_max_ptr, tile_min_ptr, tile_sum_ptr, tile_cnt_ptr, state_f_ptr, state_i_ptr,
-    row_ptr, num_rows, num_tiles, NT: tl.constexpr,
+    row_ptr, num_rows, num_tiles, NT: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
      plain) = _row(fparams_ptr, iparams_ptr, row)
@@ -191,8 +197,12 @@ def _pivot_kernel(
     tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
     pass_index, num_rows, num_chunks, vocab_size, num_words, num_tiles,
     CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -288,8 +298,12 @@ def _collect_kernel(
     tile_max_ptr, state_f_ptr, state_i_ptr, row_ptr, cnt_ptr, mass_ptr, ext_ptr,
     val_a_ptr, id_a_ptr, val_b_ptr, id_b_ptr, last_pass, num_rows, num_chunks, vocab_size, num_words, num_tiles,
     CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -392,9 +406,12 @@ def _buffer_threshold(val_ptr, id_ptr, n, upper, kind, target, top_k, top_p, c_h
 def _resolve_kernel(
     fparams_ptr, iparams_ptr, state_f_ptr, state_i_ptr, row_ptr, val_a_ptr, id_a_ptr, val_b_ptr, id_b_ptr,
     top_v_ptr, top_id_ptr, flags_ptr, final_pass, num_rows, NB: tl.constexpr, CAP_A: tl.constexpr,
-    CAP_B: tl.constexpr, SMALL_A: tl.constexpr,
+    CAP_B: tl.constexpr, SMALL_A: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
+        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
+        tl.extra.cuda.gdc_launch_dependents()
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
      plain) = _row(fparams_ptr, iparams_ptr, row)

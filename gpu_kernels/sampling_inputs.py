@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_kernels.pdl import launch_options, pdl_for
+
 # Columns of ProcessedParams.floats.
 F_TEMPERATURE = 0  # 0: greedy (argmax, no filter), else the divisor of the logits
 F_INV_TEMPERATURE = 1  # 1 / T rounded once on the host (1 for greedy rows): the kernels multiply by it
@@ -375,13 +377,18 @@ class PenaltyBits:
             return
         seen, output, counts = self.tensors()
         block = 128
+        pdl = pdl_for(tokens)
         _record_kernel[(triton.cdiv(n, block),)](state_rows, state_rows.stride(0), tokens, seen, output, counts, n,
-                                                 self.vocab_size, self.num_words, BLOCK=block, num_warps=1)
+                                                 self.vocab_size, self.num_words, BLOCK=block, PDL=pdl, num_warps=1,
+                                                 **launch_options(pdl))
 
 
 @triton.jit
 def _record_kernel(state_rows_ptr, stride_state_rows, tokens_ptr, seen_ptr, output_ptr, counts_ptr, n, vocab_size,
-                   num_words, BLOCK: tl.constexpr):
+                   num_words, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # gpu_kernels/pdl.py: the sampled tokens are written and visible; the next kernel may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     srow = tl.load(state_rows_ptr + i * stride_state_rows, mask=valid, other=-1).to(tl.int64)

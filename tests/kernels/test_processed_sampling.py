@@ -530,7 +530,9 @@ from triton.runtime.jit import JITFunction
 
 launches = []
 JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
+import gpu_kernels.processed_sampling as sampling_module, gpu_kernels.sampling_inputs as inputs_module
 from gpu_kernels.processed_sampling import ProcessedSamplingWorkspace, processed_sample
+sampling_module.pdl_for = inputs_module.pdl_for = lambda t: True  # compiled with PDL, as a GPU launches them
 from gpu_kernels.sampling_inputs import I_STATE_ROW, PenaltyBits, ProcessedParams, SparseEntries
 
 V, n = 151936, 2
@@ -547,12 +549,14 @@ bits.record(params.ints[:, I_STATE_ROW], torch.zeros(n, dtype=torch.int64))
 compiled = set()
 for fn, args, kwargs in launches:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    assert kwargs.pop("launch_pdl") and kwargs["PDL"], fn.__name__
     sig = {name: TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
            for name, a in zip(fn.arg_names, args)} | {name: "constexpr" for name in kwargs}
     key = (fn.__name__, tuple(sorted(kwargs.items())))
     if key not in compiled:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kwargs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=kwargs), target=GPUTarget("cuda", 90, 32),
+                                options=options)
+        assert "griddepcontrol.wait" in kernel.asm["ptx"], fn.__name__
         compiled.add(key)
 print(sorted({name for name, _ in compiled}))
 """
