@@ -189,6 +189,35 @@ def pdl() -> bool:
     return _flag("DELTASERVE_PDL", default=True)
 
 
+# The fields of a batch-invariant matmul configuration (gpu_kernels/batch_invariant.MatmulConfig) that choose only
+# the tile and the grid; block_k and k_split fix a row's arithmetic and are not among them.
+MATMUL_TILE_FIELDS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "programs_per_sm")
+
+
+def parse_matmul_tile(text: str, name: str = "DELTASERVE_MATMUL_SMALL_TILE") -> dict[str, int]:
+    """`"block_n=32,num_warps=4"` as {"block_n": 32, "num_warps": 4}; blank gives {}.
+
+    Raises:
+        ValueError: (naming `name`) an item not `key=integer` or a key outside `MATMUL_TILE_FIELDS`. The values'
+            ranges are `MatmulConfig`'s to check.
+    """
+    fields: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in MATMUL_TILE_FIELDS or not (value.isascii() and value.isdigit()) or len(value) > 6:
+            raise ValueError(f"{name}: {item!r} is not key=integer with a key among {', '.join(MATMUL_TILE_FIELDS)}")
+        fields[key] = int(value)
+    return fields
+
+
+def matmul_small_tile() -> dict[str, int]:
+    """DELTASERVE_MATMUL_SMALL_TILE: the tile and grid of deterministic mode's batch-invariant matmul for batches of
+    at most 16 rows, as `key=value,...` over `MATMUL_TILE_FIELDS` (gpu_kernels/batch_invariant.py's HOPPER_CONFIGS
+    otherwise). For another GPU, with the winner of `benchmarks/batch_invariant_bench.py --graph-sweep`: a row's
+    bits stay those of the default, only its speed changes. Read when the kernels are imported."""
+    return parse_matmul_tile(_raw("DELTASERVE_MATMUL_SMALL_TILE", ""))
+
+
 def all_reduce_impl() -> str:
     """DELTASERVE_ALL_REDUCE: `auto` (default: one-shot peer-memory all-reduce for small tensors on
     GPUs, NCCL otherwise) or `nccl` (NCCL for every all-reduce; for comparison)."""
@@ -279,6 +308,7 @@ def check_all() -> None:
     processed_sampler()
     decode_inline_combine()
     pdl()
+    matmul_small_tile()
     step_timeout_s()
     step_timeout_floor_s()
     check_invariants()

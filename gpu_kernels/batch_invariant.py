@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from common import envs
 from gpu_kernels.gemv import silu_mul
 from gpu_kernels.paged_attention import tile_dot
 from gpu_kernels.pdl import launch_options, pdl_for
@@ -118,42 +118,19 @@ HOPPER_CONFIGS = {
     torch.float32: _hopper_family(32),
 }
 
-SMALL_TILE_ENV = "DELTASERVE_MATMUL_SMALL_TILE"
-# What the small-batch override may set: the tile and the grid, which never change an element's arithmetic.
-_TILE_FIELDS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "programs_per_sm")
-
-
-def parse_tile_override(text: str) -> dict[str, int]:
-    """`"block_n=32,num_warps=4"` as {"block_n": 32, "num_warps": 4}; "" gives {}.
-
-    Raises:
-        ValueError: an item not `key=integer`, or a key outside the tile and grid fields (block_k and k_split fix
-            the arithmetic and cannot be overridden).
-    """
-    fields: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in _TILE_FIELDS or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"{SMALL_TILE_ENV}: {item!r} is not key=integer with a key among "
-                             f"{', '.join(_TILE_FIELDS)}")
-        fields[key] = int(value)
-    return fields
-
-
-def with_small_tile(families: dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]], text: str
-                     ) -> dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]]:
-    """Each dtype's few-row configuration (the first) with the tile fields of `text` (see `parse_tile_override`)."""
-    fields = parse_tile_override(text)
+def with_small_tile(families: dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]], fields: dict[str, int]
+                    ) -> dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]]:
+    """Each dtype's few-row configuration (the first) with `fields` (tile and grid fields only:
+    `common.envs.MATMUL_TILE_FIELDS`) replaced."""
     if not fields:
         return families
     return {dtype: ((family[0][0], dataclasses.replace(family[0][1], **fields)), *family[1:])
             for dtype, family in families.items()}
 
 
-# DELTASERVE_MATMUL_SMALL_TILE (read once): the few-row configuration's tile and grid on another GPU, say the
-# winner of `benchmarks/batch_invariant_bench.py --graph-sweep`; a row's bits stay those of the default.
-HOPPER_CONFIGS = with_small_tile(HOPPER_CONFIGS, os.environ.get(SMALL_TILE_ENV, ""))
+# DELTASERVE_MATMUL_SMALL_TILE (common/envs.py, read once): the few-row configuration's tile and grid on another GPU,
+# say the winner of `benchmarks/batch_invariant_bench.py --graph-sweep`; a row's bits stay those of the default.
+HOPPER_CONFIGS = with_small_tile(HOPPER_CONFIGS, envs.matmul_small_tile())
 
 
 def hopper_config(dtype: torch.dtype, m: int) -> MatmulConfig:

@@ -27,16 +27,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from common import envs  # noqa: E402
+from common.envs import parse_matmul_tile  # noqa: E402
 from gpu_kernels.batch_invariant import (  # noqa: E402
     CPU_CHUNK_ROWS,
     HOPPER_CONFIGS,
-    SMALL_TILE_ENV,
     MatmulConfig,
     chunked_linear,
     chunked_rms_norm,
     hopper_config,
     matmul_batch_invariant,
-    parse_tile_override,
     persistent_matmul,
     rms_norm_batch_invariant,
     rms_norm_rows,
@@ -314,24 +314,33 @@ def test_persistent_matmul_gives_the_same_bits_with_more_programs_per_sm() -> No
 
 
 def test_the_small_tile_override_sets_only_the_few_row_configuration_s_tile() -> None:
-    assert parse_tile_override(" block_n=32, num_warps=2,programs_per_sm=4 ,") == {
+    assert parse_matmul_tile(" block_n=32, num_warps = 2,programs_per_sm=4 ,") == {
         "block_n": 32, "num_warps": 2, "programs_per_sm": 4}
-    assert parse_tile_override("") == {}
-    changed = with_small_tile(HOPPER_CONFIGS, "block_n=32,programs_per_sm=4")
+    assert parse_matmul_tile("") == {}
+    changed = with_small_tile(HOPPER_CONFIGS, {"block_n": 32, "programs_per_sm": 4})
     for dtype, family in changed.items():
         first = family[0][1]
         assert (first.block_n, first.programs_per_sm) == (32, 4)
         assert (first.block_k, first.k_split) == (HOPPER_CONFIGS[dtype][0][1].block_k,
                                                   HOPPER_CONFIGS[dtype][0][1].k_split)
         assert family[1:] == HOPPER_CONFIGS[dtype][1:]
-    assert with_small_tile(HOPPER_CONFIGS, "") is HOPPER_CONFIGS
+    assert with_small_tile(HOPPER_CONFIGS, {}) is HOPPER_CONFIGS
 
 
-@pytest.mark.parametrize("text", ["k_split=256", "block_k=128", "block_n", "block_n=wide", "warps=4"])
-def test_the_small_tile_override_refuses_anything_but_tile_fields(text: str) -> None:
-    """block_k and k_split fix a row's arithmetic: they cannot be set for few rows alone."""
-    with pytest.raises(ValueError, match=f"{SMALL_TILE_ENV}: .* is not key=integer with a key among block_m"):
-        parse_tile_override(text)
+@pytest.mark.parametrize("text", ["k_split=256", "block_k=128", "block_n", "block_n=wide", "warps=4", "block_n=-16",
+                                  "block_n=99999999999999999999"])
+def test_the_small_tile_override_refuses_anything_but_tile_fields(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_k and k_split fix a row's arithmetic: they cannot be set for few rows alone; the launcher's check of
+    every variable refuses the setting before anything starts."""
+    monkeypatch.setenv("DELTASERVE_MATMUL_SMALL_TILE", text)
+    with pytest.raises(ValueError, match="DELTASERVE_MATMUL_SMALL_TILE: .* is not key=integer with a key among "
+                                         "block_m"):
+        envs.check_all()
+
+
+def test_a_small_tile_override_with_a_bad_value_is_refused_by_the_configuration() -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        with_small_tile(HOPPER_CONFIGS, {"block_n": 24})
 
 
 def test_every_dtype_s_hopper_configurations_share_their_k_step_and_split_and_cover_every_m() -> None:
