@@ -125,7 +125,8 @@ __all__ = ["MAX_TOP", "SEG1", "ProcessedSample", "ProcessedSamplingWorkspace", "
 # ============================================================================ host side
 @dataclass
 class ProcessedSample:
-    """What `processed_sample` returns for n rows (every tensor on the logits' device)."""
+    """What `processed_sample` returns for n rows (every tensor on the logits' device), each field a view of one
+    byte buffer, `packed`, so that one copy takes them all to the host (`to_host`)."""
 
     tokens: torch.Tensor  # [n] int64
     logprobs: torch.Tensor  # [n] float32: the token's logprob over the kept set; 0 for rows that did not ask
@@ -134,6 +135,41 @@ class ProcessedSample:
     top_ids: torch.Tensor  # [n, num_top] int64
     thresholds: torch.Tensor  # [n] float32: tau, the row keeps {y >= tau} (-inf: every finite token)
     flags: torch.Tensor  # [n] int32: 1 threshold rounded (bracket kept whole), 2 top-N inexact; 0 normally
+    packed: torch.Tensor  # [bytes] uint8: the fields above, one after the other (`carve`'s layout)
+
+    # (field, dtype, columns: 1 or num_top), the 8-byte ones first so that every field starts aligned
+    LAYOUT = (("tokens", torch.int64, 1), ("ranks", torch.int64, 1), ("top_ids", torch.int64, "top"),
+              ("logprobs", torch.float32, 1), ("top_logprobs", torch.float32, "top"),
+              ("thresholds", torch.float32, 1), ("flags", torch.int32, 1))
+
+    @classmethod
+    def carve(cls, packed: torch.Tensor | None, n: int, num_top: int, device: torch.device | str = "cpu"
+              ) -> ProcessedSample:
+        """The fields of n rows as views of `packed` (uint8, `nbytes(n, num_top)` long; None: a new buffer on
+        `device`)."""
+        if packed is None:
+            packed = torch.empty(cls.nbytes(n, num_top), dtype=torch.uint8, device=device)
+        fields, offset = {}, 0
+        for name, dtype, columns in cls.LAYOUT:
+            width = num_top if columns == "top" else 1
+            size = n * width * dtype.itemsize
+            view = packed[offset: offset + size].view(dtype)
+            fields[name] = view.view(n, width) if columns == "top" else view
+            offset += size
+        return cls(**fields, packed=packed)
+
+    @classmethod
+    def nbytes(cls, n: int, num_top: int) -> int:
+        return sum(n * (num_top if columns == "top" else 1) * dtype.itemsize for _, dtype, columns in cls.LAYOUT)
+
+    def to_host(self) -> ProcessedSample:
+        """Start one copy of every field to pinned host memory (CUDA; read it after an event recorded later on
+        this stream); on a CPU the sample itself."""
+        if not self.packed.is_cuda:
+            return self
+        host = torch.empty(self.packed.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(self.packed, non_blocking=True)
+        return ProcessedSample.carve(host, self.tokens.shape[0], self.top_ids.shape[1])
 
 
 class ProcessedSamplingWorkspace:
@@ -300,13 +336,8 @@ def processed_sample(
     elif chunk_size < tile or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= the tile size {tile}, got {chunk_size}")
     _check_references(params, ws, penalties, bitmask, sparse)
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    out = ProcessedSample(tokens, torch.empty(n, dtype=torch.float32, device=logits.device),
-                          torch.empty(n, dtype=torch.int64, device=logits.device),
-                          torch.empty(n, num_top, dtype=torch.float32, device=logits.device),
-                          torch.empty(n, num_top, dtype=torch.int64, device=logits.device),
-                          torch.empty(n, dtype=torch.float32, device=logits.device),
-                          torch.empty(n, dtype=torch.int32, device=logits.device))
+    out = ProcessedSample.carve(None, n, num_top, logits.device)
+    tokens = out.tokens
     if not n:
         return out
     num_chunks = triton.cdiv(vocab, chunk_size)

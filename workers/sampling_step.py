@@ -173,14 +173,20 @@ class SamplingStep:
             replay.io.set_bitmask(self._grammar_bitmask(h.grammars))
         replay.graph.replay()
         b, out = len(inputs.sampling_rows), replay.out
-        lp_host = None
-        if len(h.logprob_rows) and self.rank == 0:
-            asked = h.rows[h.logprob_rows]
-            lp_host = LogprobsOnHost(asked.astype(np.int32), np.ones(len(asked), np.int32), h.logprob_counts,
-                                     *(self._to_host(t[:b]) for t in (out.logprobs, out.ranks, out.top_logprobs,
-                                                                       out.top_ids)), select=asked)
-        tokens, event = host.tokens_to_host(out.tokens[:b])  # the graph's outputs cover its padded batch
-        return tokens, event, lp_host
+        if not (len(h.logprob_rows) and self.rank == 0):
+            tokens, event = host.tokens_to_host(out.tokens[:b])  # the graph's outputs cover its padded batch
+            return tokens, event, None
+        # Tokens and logprobs in one copy (the sampler's outputs share one buffer): at batch 1 each copy is a few
+        # microseconds of the step.
+        on_host = out.to_host()
+        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        asked = h.rows[h.logprob_rows]
+        lp_host = LogprobsOnHost(asked.astype(np.int32), np.ones(len(asked), np.int32), h.logprob_counts,
+                                 on_host.logprobs[:b], on_host.ranks[:b], on_host.top_logprobs[:b],
+                                 on_host.top_ids[:b], select=asked)
+        return on_host.tokens[:b], event, lp_host
 
     def _sample_fused(self, inputs: StepInputs, logits: torch.Tensor) -> tuple[torch.Tensor, LogprobsOnHost | None]:
         """Every sampling row of a step with processed rows, in the fused sampler; the tokens `[S]` int64 and the

@@ -104,6 +104,21 @@ def filter_params(vocab: int, rows: dict[str, tuple] = FILTER_ROWS) -> Processed
     return ProcessedParams.from_arrays(t, vocab, DEVICE, top_k=k, top_p=p, min_p=m, num_logprobs=n)
 
 
+def test_the_outputs_share_one_buffer_without_overlapping_so_one_copy_takes_them_to_the_host() -> None:
+    out = ProcessedSample.carve(None, 3, 5)
+    assert out.packed.numel() == ProcessedSample.nbytes(3, 5) == 3 * (8 + 8 + 5 * 8 + 4 + 5 * 4 + 4 + 4)
+    out.packed.zero_()
+    fields = [out.tokens, out.ranks, out.top_ids, out.logprobs, out.top_logprobs, out.thresholds, out.flags]
+    for value, field in enumerate(fields, start=1):
+        field.fill_(value)
+    for value, field in enumerate(fields, start=1):
+        assert (field == value).all() and field.untyped_storage().data_ptr() == out.packed.data_ptr()
+    again = ProcessedSample.carve(out.packed.clone(), 3, 5)  # another buffer of the same layout reads the same
+    assert torch.equal(again.top_ids, out.top_ids) and torch.equal(again.flags, out.flags)
+    assert out.to_host() is out  # on a CPU the outputs are already on the host
+    assert (out.top_logprobs.shape, out.top_ids.dtype, out.flags.dtype) == ((3, 5), torch.int64, torch.int32)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_filter_combination_matches_the_reference(seed: int) -> None:
     """bf16 logits (ties everywhere) over 4 chunks of 4 tiles, one row per combination of filters: the same
