@@ -18,8 +18,8 @@ every layer's output equals the default configuration's (it must: only the tile 
 linear layers (28 distinct weights of each shape, so nothing stays in L2 between layers, and the LM head), replayed;
 launch latency between kernels counts as in the engine, the L2 is not cleared by hand, and timing noise is that of
 graph replays (a few microseconds). Beside them, in the same harness: the default mode's GEMV and cuBLAS. The last
-line, `best tile: ...`, is the fastest configuration at M = 1 that gives the default's bits, in the form
-DELTASERVE_MATMUL_SMALL_TILE takes.
+`best tile: ...` line (printed once M = 1 is done) is the fastest configuration at M = 1 that gives the default's
+bits, in the form DELTASERVE_MATMUL_SMALL_TILE takes.
 """
 
 from __future__ import annotations
@@ -201,11 +201,14 @@ def graph_sweep(dtype: torch.dtype) -> None:
                     results.pop()
         if m == 1:
             ranked = sorted(results, key=lambda r: r[0])
+            print_best_tile(ranked[0][1])
         best[m] = min(results, key=lambda r: r[0])
-    ms, config = best[1]
-    print(f"fastest at M=1: {ms:.3f} ms; at M=4 {best[4][0]:.3f}, M=16 {best[16][0]:.3f}")
+    print(f"fastest at M=1: {best[1][0]:.3f} ms; at M=4 {best[4][0]:.3f}, M=16 {best[16][0]:.3f}")
+
+
+def print_best_tile(config: MatmulConfig) -> None:
     print(f"best tile: block_n={config.block_n},num_warps={config.num_warps},num_stages={config.num_stages},"
-          f"programs_per_sm={config.programs_per_sm}")
+          f"programs_per_sm={config.programs_per_sm}", flush=True)
 
 
 def main() -> None:
