@@ -101,12 +101,16 @@ class MatmulConfig:
 # of 16 rows (the weight read dominates; the 128-row tile multiplied 127 copies of the row for nothing) and narrow
 # columns for more programs; large M the 128 x 128 tile of two warpgroups near cuBLAS. K splits every 512 features:
 # enough work items for the SMs at M = 1 on every Qwen3-0.6B layer, and a split boundary (where a program waits
-# for its tensor cores to add a split's sum) only every 8 K steps at large M. float32 (no tensor cores, IEEE
-# products) halves the K step to keep the same shared memory.
+# for its tensor cores to add a split's sum) only every 8 K steps at large M. The few-row tile streams its weight
+# tiles 6 deep with up to 4 programs an SM: a whole forward's linear layers at M = 1 in a CUDA graph took 0.823 ms
+# against 0.927 ms with 4 stages and one program an SM, the same bits (H100, `batch_invariant_bench.py
+# --graph-sweep`, benchmarks/RESULTS.md 2026-12-07 night; 32-column tiles were slower, 1.06-1.55 ms). float32 (no
+# tensor cores, IEEE products) halves the K step to keep the same shared memory.
 def _hopper_family(block_k: int) -> tuple[tuple[int, MatmulConfig], ...]:
     """(largest M, configuration) pairs, in increasing M; the last one has no bound."""
     return (
-        (16, MatmulConfig(block_m=16, block_n=64, block_k=block_k, k_split=512, num_warps=4, num_stages=4)),
+        (16, MatmulConfig(block_m=16, block_n=64, block_k=block_k, k_split=512, num_warps=4, num_stages=6,
+                          programs_per_sm=4)),
         (64, MatmulConfig(block_m=64, block_n=128, block_k=block_k, k_split=512, num_warps=4, num_stages=4)),
         (1 << 62, MatmulConfig(block_m=128, block_n=128, block_k=block_k, k_split=512, num_warps=8, num_stages=3)),
     )

@@ -70,7 +70,10 @@ def _normalise(acc, denom, v_scale):
     return tl.where(denom[:, None] > 0, acc / tl.where(denom > 0, denom, 1.0)[:, None], 0.0) * v_scale
 
 
-@triton.jit(do_not_specialize=["stride_block_table"])
+# Arguments that change from step to step are not specialized on (Triton compiles a variant for 1 and for multiples of
+# 16): max_splits follows the step's longest block table, 1 for a step of short sequences only, and a variant the
+# warm-up did not make would compile mid-run (one did, at step 64 of benchmarks/throughput.py --deterministic).
+@triton.jit(do_not_specialize=["stride_block_table", "max_splits"])
 def _deterministic_attention_kernel(
     q_ptr,
     k_cache_ptr,

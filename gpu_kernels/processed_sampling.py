@@ -117,6 +117,7 @@ from gpu_kernels.sampling_inputs import (
 _MIN_CHUNK = 2048  # chunks of at least this many entries: fewer partials for each program to read
 _ENTRY_BLOCK = 64  # sparse entries a prepare program handles at once
 _SMALL_SORT = 256  # a threshold bracket of at most this many entries is sorted at this size, not CAP_A
+_FIELD_ALIGN = 16  # bytes: where each output field starts in ProcessedSample.packed
 
 __all__ = ["MAX_TOP", "SEG1", "ProcessedSample", "ProcessedSamplingWorkspace", "choose_processed_chunk_size",
            "compile_for_batches", "processed_chunk_representatives", "processed_sample"]
@@ -149,18 +150,28 @@ class ProcessedSample:
         `device`)."""
         if packed is None:
             packed = torch.empty(cls.nbytes(n, num_top), dtype=torch.uint8, device=device)
-        fields, offset = {}, 0
-        for name, dtype, columns in cls.LAYOUT:
-            width = num_top if columns == "top" else 1
-            size = n * width * dtype.itemsize
+        fields = {}
+        for (name, dtype, columns), (offset, size) in zip(cls.LAYOUT, cls._extents(n, num_top)):
             view = packed[offset: offset + size].view(dtype)
-            fields[name] = view.view(n, width) if columns == "top" else view
-            offset += size
+            fields[name] = view.view(n, num_top) if columns == "top" else view
         return cls(**fields, packed=packed)
 
     @classmethod
+    def _extents(cls, n: int, num_top: int) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of each field. Every field starts on a multiple of 16 bytes: Triton specializes a
+        kernel on whether each pointer is 16-byte aligned, and offsets that followed n would compile new variants
+        of the kernels mid-run (they did: `_finish_kernel` at the first odd batch)."""
+        extents, offset = [], 0
+        for _, dtype, columns in cls.LAYOUT:
+            size = n * (num_top if columns == "top" else 1) * dtype.itemsize
+            extents.append((offset, size))
+            offset += -(-size // _FIELD_ALIGN) * _FIELD_ALIGN
+        return extents
+
+    @classmethod
     def nbytes(cls, n: int, num_top: int) -> int:
-        return sum(n * (num_top if columns == "top" else 1) * dtype.itemsize for _, dtype, columns in cls.LAYOUT)
+        offset, size = cls._extents(n, num_top)[-1]
+        return offset + size
 
     def to_host(self) -> ProcessedSample:
         """Start one copy of every field to pinned host memory (CUDA; read it after an event recorded later on

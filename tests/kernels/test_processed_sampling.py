@@ -106,7 +106,8 @@ def filter_params(vocab: int, rows: dict[str, tuple] = FILTER_ROWS) -> Processed
 
 def test_the_outputs_share_one_buffer_without_overlapping_so_one_copy_takes_them_to_the_host() -> None:
     out = ProcessedSample.carve(None, 3, 5)
-    assert out.packed.numel() == ProcessedSample.nbytes(3, 5) == 3 * (8 + 8 + 5 * 8 + 4 + 5 * 4 + 4 + 4)
+    # Each field starts 16-byte aligned: 24 (+8) + 24 (+8) + 120 (+8) + 12 (+4) + 60 (+4) + 12 (+4) + 12
+    assert out.packed.numel() == ProcessedSample.nbytes(3, 5) == 32 + 32 + 128 + 16 + 64 + 16 + 12
     out.packed.zero_()
     fields = [out.tokens, out.ranks, out.top_ids, out.logprobs, out.top_logprobs, out.thresholds, out.flags]
     for value, field in enumerate(fields, start=1):
@@ -117,6 +118,11 @@ def test_the_outputs_share_one_buffer_without_overlapping_so_one_copy_takes_them
     assert torch.equal(again.top_ids, out.top_ids) and torch.equal(again.flags, out.flags)
     assert out.to_host() is out  # on a CPU the outputs are already on the host
     assert (out.top_logprobs.shape, out.top_ids.dtype, out.flags.dtype) == ((3, 5), torch.int64, torch.int32)
+    for n in (1, 3, 7, 64, 255):  # whatever the batch, every field 16-byte aligned (Triton's pointer specialization)
+        carved = ProcessedSample.carve(None, n, 20)
+        assert all((field.data_ptr() - carved.packed.data_ptr()) % 16 == 0
+                   for field in (carved.tokens, carved.ranks, carved.top_ids, carved.logprobs, carved.top_logprobs,
+                                 carved.thresholds, carved.flags))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
