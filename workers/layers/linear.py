@@ -164,7 +164,11 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.gemv_max_batch)
+        return self.finish(linear(x, self.weight, None, self.gemv_max_batch))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """What `forward` does after its product: the all-reduce and the bias, on `y` = x @ weight.T computed
+        elsewhere (a kernel that fused the layer before into it)."""
         if tp_size() > 1 and self.reduce_results:
             y = all_reduce(y)
         if self.bias is not None and (self.reduce_results or tp_rank() == 0):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from workers.attention.base import AttentionMetadata
+from workers.deterministic import deterministic
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -95,7 +96,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> this rank's partial sum of the output (down_proj does not all-reduce)."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and deterministic():  # SiLU-and-mul inside down_proj's batch-invariant matmul, same bits
+            from gpu_kernels.batch_invariant import silu_and_mul_matmul  # Triton is imported only where it runs
+
+            return self.down_proj.finish(silu_and_mul_matmul(gate_up, self.down_proj.weight))
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
