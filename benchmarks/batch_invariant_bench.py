@@ -1,6 +1,9 @@
 """The batch-invariant matmul (`gpu_kernels/batch_invariant.py`) against cuBLAS (`F.linear`) on Qwen3-0.6B's layers.
 
     python benchmarks/batch_invariant_bench.py [--batches 1 8 32 256 2048] [--dtype bf16|fp16|fp32] [--sweep]
+    python benchmarks/batch_invariant_bench.py --small-sweep | --graph-sweep [--dtype ...]
+
+Needs a CUDA GPU.
 
 For each weight shape (N outputs x K inputs) and batch M: the median microseconds of one call of ours and of
 cuBLAS, and their ratio (ours / cuBLAS: 2.0 means ours takes twice as long). Times are medians of
@@ -212,16 +215,21 @@ def print_best_tile(config: MatmulConfig) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
-    parser.add_argument("--small-sweep", action="store_true", help="also time small-batch tiles and grid sizes")
-    parser.add_argument("--graph-sweep", action="store_true",
-                        help="only time few-row tiles and grids on a whole forward in a CUDA graph")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU.")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256, 2048],
+                        help="batch sizes M of the per-layer table and --sweep (each >= 1)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="of x and the weights")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    modes.add_argument("--small-sweep", action="store_true",
+                       help="only time small-batch tiles and grid sizes at M = 1 and 8 (--batches unused)")
+    modes.add_argument("--graph-sweep", action="store_true",
+                       help="only time few-row tiles and grids on a whole forward in a CUDA graph (--batches unused)")
     args = parser.parse_args()
+    if min(args.batches) < 1:
+        parser.error(f"--batches must be >= 1, got {min(args.batches)}")
     if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
+        sys.exit(f"{parser.prog}: needs a CUDA GPU, and torch sees none")
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, our configuration {HOPPER_CONFIGS[dtype]}")
     if args.graph_sweep:

@@ -190,31 +190,41 @@ def pdl() -> bool:
 
 
 # The fields of a batch-invariant matmul configuration (gpu_kernels/batch_invariant.MatmulConfig) that choose only
-# the tile and the grid; block_k and k_split fix a row's arithmetic and are not among them.
-MATMUL_TILE_FIELDS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "programs_per_sm")
+# the tile and the grid, with the values they may take here (block_k and k_split fix a row's arithmetic and are not
+# among them): (least, most, a power of two).
+MATMUL_TILE_FIELDS = {"block_m": (16, 256, True), "block_n": (16, 256, True), "group_m": (1, 64, False),
+                      "num_warps": (1, 16, True), "num_stages": (1, 8, False), "programs_per_sm": (1, 16, False)}
 
 
 def parse_matmul_tile(text: str, name: str = "DELTASERVE_MATMUL_SMALL_TILE") -> dict[str, int]:
     """`"block_n=32,num_warps=4"` as {"block_n": 32, "num_warps": 4}; blank gives {}.
 
     Raises:
-        ValueError: (naming `name`) an item not `key=integer` or a key outside `MATMUL_TILE_FIELDS`. The values'
-            ranges are `MatmulConfig`'s to check.
+        ValueError: (naming `name`) an item not `key=integer`, a key outside `MATMUL_TILE_FIELDS` or given twice,
+            or a value outside its range there.
     """
     fields: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or key not in MATMUL_TILE_FIELDS or not (value.isascii() and value.isdigit()) or len(value) > 6:
-            raise ValueError(f"{name}: {item!r} is not key=integer with a key among {', '.join(MATMUL_TILE_FIELDS)}")
-        fields[key] = int(value)
+        if not sep or key not in MATMUL_TILE_FIELDS:
+            raise ValueError(f"{name}: {item[:40]!r} is not key=value with a key among {', '.join(MATMUL_TILE_FIELDS)}")
+        if key in fields:
+            raise ValueError(f"{name}: {key} is given twice")
+        least, most, power_of_two = MATMUL_TILE_FIELDS[key]
+        number = int(value) if value.isascii() and value.isdigit() and len(value) <= 6 else None
+        if number is None or not least <= number <= most or (power_of_two and number & (number - 1)):
+            kind = "a power of two" if power_of_two else "a whole number"
+            raise ValueError(f"{name}: {key} must be {kind} from {least} to {most}, got {value[:40]!r}")
+        fields[key] = number
     return fields
 
 
 def matmul_small_tile() -> dict[str, int]:
-    """DELTASERVE_MATMUL_SMALL_TILE: the tile and grid of deterministic mode's batch-invariant matmul for batches of
-    at most 16 rows, as `key=value,...` over `MATMUL_TILE_FIELDS` (gpu_kernels/batch_invariant.py's HOPPER_CONFIGS
-    otherwise). For another GPU, with the winner of `benchmarks/batch_invariant_bench.py --graph-sweep`: a row's
-    bits stay those of the default, only its speed changes. Read when the kernels are imported."""
+    """DELTASERVE_MATMUL_SMALL_TILE: the tile and grid of deterministic mode's batch-invariant matmul on a GPU for
+    batches of at most 16 rows, as `key=value,...` over `MATMUL_TILE_FIELDS` (gpu_kernels/batch_invariant.py's
+    HOPPER_CONFIGS otherwise; the CPU path has no tile). For another GPU, with the winner of
+    `benchmarks/batch_invariant_bench.py --graph-sweep`: a row's bits stay those of the default, only its speed
+    changes. Read when the kernels are imported."""
     return parse_matmul_tile(_raw("DELTASERVE_MATMUL_SMALL_TILE", ""))
 
 
@@ -252,6 +262,9 @@ def scheduler_timeout_s() -> float:
     return _number("DELTASERVE_SCHEDULER_TIMEOUT_S", "30", 0.0, allow_minimum=True, meaning="seconds; 0 = off")
 
 
+MAX_WORKER_THREADS = 1024  # more than any machine's cores; 999999 made the worker abort creating them
+
+
 def worker_threads() -> int | None:
     """DELTASERVE_WORKER_THREADS: torch's intra-op threads in each worker process, CPU or GPU (a whole number >= 1);
     None when unset, and `workers.process.worker_torch_threads` chooses: OMP_NUM_THREADS when set, else on CPU the
@@ -261,8 +274,9 @@ def worker_threads() -> int | None:
     if raw is None:
         return None
     word = raw.strip()
-    if not (word.isascii() and word.isdigit() and len(word) <= 6 and int(word) >= 1):
-        raise ValueError(f"DELTASERVE_WORKER_THREADS must be a whole number >= 1 (threads), got {raw[:40]!r}")
+    if not (word.isascii() and word.isdigit() and len(word) <= 6 and 1 <= int(word) <= MAX_WORKER_THREADS):
+        raise ValueError(f"DELTASERVE_WORKER_THREADS must be a whole number from 1 to {MAX_WORKER_THREADS} (threads), "
+                         f"got {raw[:40]!r}")
     return int(word)
 
 

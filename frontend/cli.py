@@ -51,7 +51,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # A bad environment variable is not among the options --help lists: point at its row in the docs.
-        where = docs_section(message.split()[0]) if message.startswith("DELTASERVE_") else "see --help"
+        where = docs_section(message.split()[0].rstrip(":")) if message.startswith("DELTASERVE_") else "see --help"
         self.exit(2, f"{self.prog}: error: {message} ({where})\n")
 
     def option_error(self, message: str) -> NoReturn:

@@ -216,10 +216,12 @@ def test_pdl_is_on_by_default_and_never_for_cpu_tensors(monkeypatch: pytest.Monk
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "2.5", "four", "9" * 30])
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "four", "9" * 30, "1025", "999999"])
 def test_worker_threads_must_be_a_whole_number_of_at_least_one(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """999999 threads made the worker abort creating them: the count is bounded before start."""
     monkeypatch.setenv("DELTASERVE_WORKER_THREADS", value)
-    with pytest.raises(ValueError, match=r"^DELTASERVE_WORKER_THREADS must be a whole number >= 1 \(threads\), got"):
+    with pytest.raises(ValueError, match=r"^DELTASERVE_WORKER_THREADS must be a whole number from 1 to 1024 "
+                                         r"\(threads\), got"):
         envs.check_all()
 
 

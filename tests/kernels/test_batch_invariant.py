@@ -19,6 +19,7 @@ the CPU torch paths run at Qwen3 shapes. The tests marked `gpu` run both kernels
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import pytest
@@ -349,14 +350,32 @@ def test_the_small_tile_override_sets_only_the_few_row_configuration_s_tile() ->
     assert with_small_tile(HOPPER_CONFIGS, {}) is HOPPER_CONFIGS
 
 
-@pytest.mark.parametrize("text", ["k_split=256", "block_k=128", "block_n", "block_n=wide", "warps=4", "block_n=-16",
-                                  "block_n=99999999999999999999"])
+@pytest.mark.parametrize("text", ["k_split=256", "block_k=128", "block_n", "warps=4", "=16", "BLOCK_N=16"])
 def test_the_small_tile_override_refuses_anything_but_tile_fields(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """block_k and k_split fix a row's arithmetic: they cannot be set for few rows alone; the launcher's check of
     every variable refuses the setting before anything starts."""
     monkeypatch.setenv("DELTASERVE_MATMUL_SMALL_TILE", text)
-    with pytest.raises(ValueError, match="DELTASERVE_MATMUL_SMALL_TILE: .* is not key=integer with a key among "
+    with pytest.raises(ValueError, match="DELTASERVE_MATMUL_SMALL_TILE: .* is not key=value with a key among "
                                          "block_m"):
+        envs.check_all()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("block_m=0", "block_m must be a power of two from 16 to 256, got '0'"),
+    ("block_n=24", "block_n must be a power of two from 16 to 256, got '24'"),
+    ("block_n=-16", "block_n must be a power of two from 16 to 256, got '-16'"),
+    ("block_n=wide", "block_n must be a power of two from 16 to 256, got 'wide'"),
+    ("block_m=99999999999999999999", "block_m must be a power of two from 16 to 256, got '9999"),
+    ("num_warps=3", "num_warps must be a power of two from 1 to 16, got '3'"),
+    ("num_stages=0", "num_stages must be a whole number from 1 to 8, got '0'"),
+    ("programs_per_sm=0", "programs_per_sm must be a whole number from 1 to 16, got '0'"),
+    ("block_m=16,block_m=32", "block_m is given twice"),
+])
+def test_the_small_tile_override_refuses_a_value_out_of_range_before_start(
+        text: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a fresh user: block_m=0 passed the launcher and then stopped the worker with a traceback."""
+    monkeypatch.setenv("DELTASERVE_MATMUL_SMALL_TILE", text)
+    with pytest.raises(ValueError, match=f"^DELTASERVE_MATMUL_SMALL_TILE: {re.escape(message)}"):
         envs.check_all()
 
 
