@@ -27,7 +27,7 @@ from gpu_kernels.paged_attention import (
     dot_precision,
     query_for_cache,
 )
-from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.pdl import launch_options, pdl_for, wait_then_release
 from gpu_kernels.split_counters import split_counters
 
 # Programs wanted in flight: about four per SM of an H100/H200 (132 SMs).
@@ -188,9 +188,7 @@ def _combine_splits_kernel(
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, BLOCK_D)
     first_row = (seq * num_q_heads + head) * NUM_SPLITS
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # no loop: the successor may launch at once (it waits for this one)
+    wait_then_release(PDL)  # no loop: the successor may launch at once (it waits for this one)
     lse = tl.load(partial_lse_ptr + first_row + splits)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from common import envs
 
@@ -41,3 +43,13 @@ def pdl_for(t: torch.Tensor) -> bool:
 def launch_options(pdl: bool) -> dict[str, bool]:
     """The extra launch keyword of a kernel launched with PDL (none without, so the interpreter never sees it)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """In a kernel with no main loop to overlap: with PDL, wait for the kernel before (it has finished and its
+    writes are visible), then let the next one launch at once (it waits for this one in turn). Call it before the
+    kernel's first load or store."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

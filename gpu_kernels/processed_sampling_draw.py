@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gpu_kernels.pdl import wait_then_release
 from gpu_kernels.processed_sampling_device import (
     _NI,
     _R_KEPT_MASS,
@@ -73,9 +74,7 @@ def _sample_kernel(
     CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -152,9 +151,7 @@ def _rank_kernel(
     CHUNK: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -203,9 +200,7 @@ def _finish_kernel(
     CH: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     num_logprobs = tl.load(iparams_ptr + row * _NI + 4)
     asks = num_logprobs >= 0
     r = row_ptr + row * _SW

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gpu_kernels.pdl import wait_then_release
 from gpu_kernels.processed_sampling_device import (
     _CLIPPED,
     _COUNT,
@@ -57,9 +58,7 @@ def _prepare_kernel(
     CHUNK: tl.constexpr, TILE: tl.constexpr, TPB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -129,9 +128,7 @@ def _plan_kernel(
     row_ptr, num_rows, num_tiles, NT: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
      plain) = _row(fparams_ptr, iparams_ptr, row)
@@ -200,9 +197,7 @@ def _pivot_kernel(
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -301,9 +296,7 @@ def _collect_kernel(
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     chunk = tl.program_id(1)
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
@@ -409,9 +402,7 @@ def _resolve_kernel(
     CAP_B: tl.constexpr, SMALL_A: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before has finished and its writes are visible; the next one
-        tl.extra.cuda.gdc_wait()  # may launch now and waits in turn
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     (temperature, inv_t, top_p, min_p, rep, inv_rep, freq, pres, top_k, state_row, grammar_row, scratch_row,
      num_logprobs, sampled, use_k, use_p, use_minp, has_rep, has_fp, has_grammar, src, stats, logprobs,
      plain) = _row(fparams_ptr, iparams_ptr, row)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from gpu_kernels.fp8 import e4m3_bits
 from gpu_kernels.kv_store import check_kv_cache
-from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.pdl import launch_options, pdl_for, wait_then_release
 from gpu_kernels.rounding import round_to
 
 
@@ -94,9 +94,7 @@ def _qk_norm_rope_store_kernel(
     half_dims = tl.arange(0, BLOCK_HALF)
     dim_mask = half_dims < HALF
     rows = tl.arange(0, HEADS_PER_PROGRAM)
-    if PDL:  # gpu_kernels/pdl.py: the kernel before this one has finished; the next may launch (it waits for this one)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin_position + half_dims, mask=dim_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin_position + HALF + half_dims, mask=dim_mask, other=0.0)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels.pdl import launch_options, pdl_for
+from gpu_kernels.pdl import launch_options, pdl_for, wait_then_release
 
 # Columns of ProcessedParams.floats.
 F_TEMPERATURE = 0  # 0: greedy (argmax, no filter), else the divisor of the logits
@@ -386,9 +386,7 @@ class PenaltyBits:
 @triton.jit
 def _record_kernel(state_rows_ptr, stride_state_rows, tokens_ptr, seen_ptr, output_ptr, counts_ptr, n, vocab_size,
                    num_words, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # gpu_kernels/pdl.py: the sampled tokens are written and visible; the next kernel may launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)  # gpu_kernels/pdl.py: the sampled tokens are written and visible
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     srow = tl.load(state_rows_ptr + i * stride_state_rows, mask=valid, other=-1).to(tl.int64)
