@@ -122,6 +122,7 @@ HOPPER_CONFIGS = {
     torch.float32: _hopper_family(32),
 }
 
+
 def with_small_tile(families: dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]], fields: dict[str, int]
                     ) -> dict[torch.dtype, tuple[tuple[int, MatmulConfig], ...]]:
     """Each dtype's few-row configuration (the first) with `fields` (tile and grid fields only:

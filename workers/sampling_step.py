@@ -179,9 +179,8 @@ class SamplingStep:
         # Tokens and logprobs in one copy (the sampler's outputs share one buffer): at batch 1 each copy is a few
         # microseconds of the step.
         on_host = out.to_host()
-        event = torch.cuda.Event() if self.device.type == "cuda" else None
-        if event is not None:
-            event.record()
+        event = torch.cuda.Event()  # processed-sampling graphs exist on CUDA only
+        event.record()
         asked = h.rows[h.logprob_rows]
         lp_host = LogprobsOnHost(asked.astype(np.int32), np.ones(len(asked), np.int32), h.logprob_counts,
                                  on_host.logprobs[:b], on_host.ranks[:b], on_host.top_logprobs[:b],
