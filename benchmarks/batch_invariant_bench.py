@@ -188,20 +188,18 @@ def graph_sweep(dtype: torch.dtype) -> None:
         print(f"  M={m}: default mode GEMV {graph_forward_ms(forward(m, gemv)):.3f}, cuBLAS "
               f"{graph_forward_ms(forward(m, F.linear)):.3f}, ours as configured "
               f"{graph_forward_ms(forward(m, matmul_with(default))):.3f}")
-        tiles = GRAPH_TILES if m == 1 else [(c.block_n, c.num_warps, c.num_stages) for _, c in ranked[:3]]
+        configs = [c for _, c in ranked[:3]] if m > 1 else [
+            dataclasses.replace(default, block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+            for block_n, warps, stages in GRAPH_TILES for per_sm in GRAPH_PER_SM]
         results = []
-        for block_n, warps, stages in tiles:
-            for per_sm in GRAPH_PER_SM if m == 1 else sorted({c.programs_per_sm for _, c in ranked[:3]}):
-                config = dataclasses.replace(default, block_n=block_n, num_warps=warps, num_stages=stages,
-                                             programs_per_sm=per_sm)
-                run = forward(m, matmul_with(config))
-                same = all(torch.equal(a, b) for a, b in zip(run(), reference))
-                ms = graph_forward_ms(run)
+        for config in configs:
+            run = forward(m, matmul_with(config))
+            same = all(torch.equal(a, b) for a, b in zip(run(), reference))
+            ms = graph_forward_ms(run)
+            print(f"    M={m} block_n {config.block_n:>3} w{config.num_warps} s{config.num_stages} "
+                  f"x{config.programs_per_sm}: {ms:.3f} ms, bits {'same' if same else 'DIFFER'}", flush=True)
+            if same:
                 results.append((ms, config))
-                print(f"    M={m} block_n {block_n:>3} w{warps} s{stages} x{per_sm}: {ms:.3f} ms, bits "
-                      f"{'same' if same else 'DIFFER'}", flush=True)
-                if not same:
-                    results.pop()
         if m == 1:
             ranked = sorted(results, key=lambda r: r[0])
             print_best_tile(ranked[0][1])
