@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common import envs
 from workers.attention.base import AttentionMetadata
 from workers.deterministic import deterministic
 from workers.layers.activation import SiluAndMul
@@ -97,7 +98,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> this rank's partial sum of the output (down_proj does not all-reduce)."""
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and deterministic():  # SiLU-and-mul inside down_proj's batch-invariant matmul, same bits
+        if gate_up.is_cuda and deterministic() and envs.fused_silu_matmul():  # SiLU-and-mul inside down_proj's matmul
             from gpu_kernels.batch_invariant import silu_and_mul_matmul  # Triton is imported only where it runs
 
             return self.down_proj.finish(silu_and_mul_matmul(gate_up, self.down_proj.weight))
