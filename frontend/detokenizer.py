@@ -126,6 +126,24 @@ class IncrementalDetokenizer:
         self._pieces.append(piece)
         return piece
 
+    def steps(self, token_ids: list[int], emit_last: bool = True) -> str:
+        """`step` for each of `token_ids` in turn (the last one's text left out unless `emit_last`), as one string.
+        A byte-level tokenizer's tokens are decoded in one call: the UTF-8 decoder gives the same text for the
+        bytes fed at once as token by token (`tests/test_outputs.py` checks it)."""
+        if not token_ids:
+            return ""
+        table = self._bytes
+        if table is None:
+            last = len(token_ids) - 1
+            return "".join([self.step(t, emit_last or i < last) for i, t in enumerate(token_ids)])
+        self.token_ids.extend(token_ids)
+        skip = self._skip_special
+        data = b"".join([table(t, skip) for t in (token_ids if emit_last else token_ids[:-1])])
+        piece = self._utf8.decode(data)
+        self._partial = bool(self._utf8.getstate()[0])
+        self._pieces.append(piece)
+        return piece
+
     @property
     def text(self) -> str:
         """Everything emitted so far."""

@@ -12,6 +12,10 @@ held back from streaming, since they may begin a stop string; so no text from a 
 ever streamed, and the streamed deltas add up to the final text. As in vLLM, stop strings are only
 looked for once more than `min_tokens` tokens were generated.
 
+A sample that is not streamed and has no stop string is detokenized once, when it finishes (`SampleState.deferred`):
+while it runs, a step's token costs the frontend an append (at 256 rows, a step's frontend CPU halved on the CI
+machine, benchmarks/frontend_cpu.py), and its final text is the same.
+
 A stop token (an end token, or one of `stop_token_ids`) stays in the token ids, but its text is left
 out unless `include_stop_str_in_output` (vLLM's behaviour); its id is the sample's `stop_reason`, except
 for the tokenizer's own end-of-sequence token (unless `ignore_eos`), whose `stop_reason` is None, as in
@@ -113,14 +117,20 @@ def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[in
 class SampleState:
     """One sample of a request in the frontend."""
 
-    def __init__(self, index: int, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, index: int, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 stream: bool = True) -> None:
+        """`stream`: the client gets the output as it grows. A sample that is not streamed and has no stop string
+        needs its text only once, when it finishes: its tokens are then detokenized all at once (the same text:
+        the same incremental decoder, fed the same tokens), and a step's tokens cost the frontend an append."""
         self.index = index
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.stops = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.holdback = max(map(len, self.stops)) - 1 if self.stops and not self.include_stop else 0
-        self.text = ""  # the output text so far, cut at a stop string
+        self.deferred = not stream and not self.stops  # detokenize at the end (`_catch_up`)
+        self._hide_last = False  # deferred: the last token is a stop token whose text is left out
+        self._text = ""  # the output text so far, cut at a stop string
         self.token_ids: list[int] = []
         self.logprobs: LogprobColumns | None = LogprobColumns() if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -144,38 +154,56 @@ class SampleState:
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(token_id, *logprobs)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[0]
-        piece = self.detokenizer.step(token_id, emit=not stop_token or self.include_stop)
         if stop_token:
             self.stop_reason = None if token_id == self.eos_token_id else token_id
+        if self.deferred:  # no stop string to look for: the text waits for the end
+            self._hide_last = stop_token and not self.include_stop
+            return False
+        piece = self.detokenizer.step(token_id, emit=not stop_token or self.include_stop)
         if not piece:
             return False
-        new_from = len(self.text)
-        self.text += piece
+        new_from = len(self._text)
+        self._text += piece
         if not self.stops or len(self.token_ids) <= self.min_tokens:
             return False
-        hit = find_stop(self.text, new_from, self.stops)
+        hit = find_stop(self._text, new_from, self.stops)
         if hit is None:
             return False
         start, stop = hit
-        self.text = self.text[: start + len(stop) if self.include_stop else start]
+        self._text = self._text[: start + len(stop) if self.include_stop else start]
         self.finish_reason, self.stop_reason = "stop", stop
         return True
+
+    @property
+    def text(self) -> str:
+        """The output text so far (all of it, for a deferred sample), cut at a stop string."""
+        self._catch_up()
+        return self._text
+
+    def _catch_up(self) -> None:
+        """Detokenize the tokens a deferred sample has not yet: only the last one can be a stop token (the sample
+        ends with it), whose text is left out unless `include_stop_str_in_output`."""
+        todo = self.token_ids[len(self.detokenizer.token_ids):]
+        if todo:
+            self._text += self.detokenizer.steps(todo, emit_last=not self._hide_last)
 
     def finish(self, reason: str) -> None:
         """End the sample (once; a sample a stop string ended keeps that). An unfinished character at the
         end of its text becomes U+FFFD, as `decode()` shows it."""
         if self.finished:
             return
-        self.text += self.detokenizer.flush()
+        self._catch_up()
+        self._text += self.detokenizer.flush()
         self.finish_reason = reason
         if reason != "stop":
             self.stop_reason = None
 
     def visible_text(self) -> str:
         """The text a client may see now: all of it once finished, else all but the held-back tail."""
+        text = self.text
         if self.finished or not self.holdback:
-            return self.text
-        return self.text[: max(self.sent_chars, len(self.text) - self.holdback)]
+            return text
+        return text[: max(self.sent_chars, len(text) - self.holdback)]
 
     def has_news(self) -> bool:
         """Whether a streamed output would tell the client something new about this sample."""

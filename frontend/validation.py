@@ -303,7 +303,7 @@ class RequestValidator:
         engine_req = EngineRequest(seq_id, i32(arr), temperature, params.max_tokens, params.seed, sorted(stop_ids),
                                    now, self._options(params, stop_ids, req.messages is not None, prompt_reasoning),
                                    params.n, grammar)
-        samples = [SampleState(i, self.tokenizer, ids, params) for i in range(params.n)]
+        samples = [SampleState(i, self.tokenizer, ids, params, req.stream) for i in range(params.n)]
         state = RequestState(client, req.request_id, seq_id, params, len(ids), samples, now, ids, stream=req.stream,
                              num_unfinished=params.n,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,

@@ -322,3 +322,22 @@ def test_any_ids_stream_what_one_utf8_decoder_over_their_bytes_gives(
     for token_id in ids:
         assert detok.step(token_id) == reference.decode(table(token_id, True))
     assert detok.flush() == reference.decode(b"", final=True)
+
+
+@RANDOM
+@given(ids=st.lists(st.integers(0, 151_668), min_size=1, max_size=40),
+       prompt=st.lists(st.integers(0, 151_668), max_size=6), cut=st.integers(0, 40), emit_last=st.booleans(),
+       skip=st.booleans())
+def test_steps_gives_the_text_of_step_after_step(tokenizer: Any, ids: list[int], prompt: list[int], cut: int,
+                                                 emit_last: bool, skip: bool) -> None:
+    """`steps` (a deferred sample's tokens at its end, decoded at once) against `step` token by token: the same
+    text, the last token's text left out when asked, the same state after (a later step and the flush agree)."""
+    one, batch = IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip)
+    first, rest = ids[:cut], ids[cut:]
+    expected = "".join(one.step(t) for t in first)
+    expected += "".join(one.step(t, emit_last or i < len(rest) - 1) for i, t in enumerate(rest))
+    assert batch.steps(first) + batch.steps(rest, emit_last) == expected
+    assert batch.token_ids == one.token_ids == ids
+    assert batch.step(ids[0]) == one.step(ids[0])
+    assert batch.flush() == one.flush()
+    assert batch.text == one.text

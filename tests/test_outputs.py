@@ -200,3 +200,41 @@ def test_logprobs_carry_the_bytes_of_tokens_that_hold_a_piece_of_a_character(tok
     assert [e["top_logprobs"][1]["bytes"] for e in entries] == [list(texts.raw(pieces[0]))] * len(ids)
     assert entries[0]["top_logprobs"][2]["bytes"] == list(tokenizer.decode([11]).encode())
     assert texts.raw(11) is None and texts.raw(pieces[0]) is not None
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_a_sample_not_streamed_detokenizes_at_the_end_to_the_streamed_text(tokenizer: Any, include_stop: bool,
+                                                                          skip_special: bool) -> None:
+    """A sample that is neither streamed nor stopped by strings keeps only token ids while it runs; its final text
+    equals the streamed sample's: multi-byte characters split across tokens, a character straddling the prompt,
+    special tokens, and a stop token whose text is left out (or kept with include_stop_str_in_output)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    text = "naïve 日本語 🙂 — ok<|im_end|>"
+    ids = ids_of(tokenizer, text)
+    byte_tokens = [int(t) for t in rng.integers(0, 256, size=12)]  # raw byte tokens: invalid UTF-8 in between
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for output in (ids, byte_tokens + ids, [int(t) for t in rng.integers(0, 151643, size=40)]):
+        for stop_token in (None, end):
+            params = SamplingParams(skip_special_tokens=skip_special, include_stop_str_in_output=include_stop)
+            prompt = tokenizer("Say 日")["input_ids"]
+            streamed = SampleState(0, tokenizer, prompt, params, stream=True)
+            deferred = SampleState(0, tokenizer, prompt, params, stream=False)
+            assert deferred.deferred and not streamed.deferred
+            for sample in (streamed, deferred):
+                for i, token in enumerate(output):
+                    sample.add(token, None, stop_token=stop_token is not None and i == len(output) - 1)
+                assert len(sample.detokenizer.token_ids) == (0 if sample is deferred else len(output))
+                sample.finish("stop" if stop_token is not None else "length")
+            assert deferred.take(stream=False).text == streamed.take(stream=False).text
+            assert deferred.stop_reason == streamed.stop_reason
+
+
+def test_a_sample_with_stop_strings_is_detokenized_as_it_runs_even_unstreamed(tokenizer: Any) -> None:
+    sample = SampleState(0, tokenizer, [1], SamplingParams(stop=["lo w"]), stream=False)
+    assert not sample.deferred
+    ids = ids_of(tokenizer, "hello world")
+    fired = [sample.add(t, None, stop_token=False) for t in ids]
+    assert any(fired) and sample.text == "hel" and sample.finish_reason == "stop"
