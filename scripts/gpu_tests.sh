@@ -43,8 +43,16 @@ if [ -n "${DEMO_MODEL:-}" ]; then demo=(--demo-model "$DEMO_MODEL"); export DELT
 python3 benchmarks/gpu_correctness.py --model "$ckpt" "${demo[@]}" ${GATE_BACKENDS:+--backends $GATE_BACKENDS} \
     --json "$out/correctness.json" > "$out/correctness.log" 2>&1 &
 gates=$!
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag $workers_flag tests/test_gpu*.py tests/kernels/ 2>&1 | tee "$out/gpu_tests.log"
-status=${PIPESTATUS[0]}
+# Stopped (say by `timeout`, which signals this shell alone), it stops the tests and the gates too: left running,
+# they held the GPU under whatever was timed next. Bash runs a trap only between commands, so the tests run in the
+# background and this shell waits for them (a wait is cut short by the signal).
+trap 'pkill -TERM -P $$ 2>/dev/null; echo "gpu_tests.sh: stopped; the tests and the gates were stopped too" >&2; exit 143' TERM INT
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider $timeout_flag $workers_flag tests/test_gpu*.py tests/kernels/ \
+    > "$out/gpu_tests.log" 2>&1 &
+tests=$!
+tail -n +1 -f --pid=$tests "$out/gpu_tests.log" &
+wait $tests
+status=$?
 wait $gates
 correctness=$?
 cat "$out/correctness.log"
