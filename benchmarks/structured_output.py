@@ -4,7 +4,8 @@ schema, against the same batch unconstrained, for two schemas and each structure
     python benchmarks/structured_output.py --model DIR [--num-seqs 64] [--max-tokens 256]
         [--backends auto xgrammar] [--schemas stress tool] [--json OUT]
 
-DIR: a checkpoint of the Qwen3-0.6B shape (benchmarks/make_checkpoint.py). Random weights are the hard case: the
+DIR: a checkpoint of the Qwen3-0.6B shape (benchmarks/make_checkpoint.py), or the trained demo model's folder
+(SmolLM2-135M-Instruct, the real case: it closes its strings). Random weights are the hard case: the
 model never wants what the grammar allows, so each row takes a near-uniform token among those allowed and stays
 inside long strings (benchmarks/grammar_libraries.py's random walk shows the same on CPU). The schemas:
 - stress: an array of at least 50 records of benchmarks/grammar_libraries.py's 20-field schema (formats, patterns,
@@ -99,14 +100,25 @@ def run_backend(args: argparse.Namespace, backend: str, prompts: list[list[int]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num-seqs", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--backends", nargs="+", choices=STRUCTURED_OUTPUTS_BACKENDS, default=["auto", "xgrammar"])
-    ap.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True,
+                    help="checkpoint folder: the Qwen3-0.6B shape (benchmarks/make_checkpoint.py) or the demo model")
+    ap.add_argument("--num-seqs", type=int, default=64, help="requests, all running at once (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens of every request (default 256)")
+    ap.add_argument("--backends", nargs="+", choices=STRUCTURED_OUTPUTS_BACKENDS, default=["auto", "xgrammar"],
+                    help="structured-outputs backends, one engine each (default: auto xgrammar)")
+    ap.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS),
+                    help="JSON schemas to time against the unconstrained batch (default: all)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
+    for name in ("num_seqs", "max_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("note: no CUDA GPU here: the engine runs on the CPU, device times read 0, and the figures say nothing "
+              "about the GPU overhead this benchmark is for", file=sys.stderr, flush=True)
     with step_log_folder() as step_dir:  # $DELTASERVE_STEP_LOG_DIR (kept), else a temporary one
         benchmark(args, os.path.join(step_dir, "worker-tp0.jsonl"))
 
