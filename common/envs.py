@@ -170,7 +170,7 @@ def fused_silu_matmul() -> bool:
     down_proj's batch-invariant matmul (gpu_kernels/batch_invariant.silu_and_mul_matmul: one launch fewer per
     layer, the same bits). Default off: with it on, deterministic batch 1 measured 1.47 ms a step on an H100 where
     the two-kernel path had measured 1.27 ms (on another H100, no A/B in one call yet: benchmarks/RESULTS.md,
-    2026-12-07 late)."""
+    2026-12-07 late). Read when the model is built."""
     return _flag("DELTASERVE_FUSED_SILU_MATMUL")
 
 

@@ -94,11 +94,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, reduce_results=False)
         self.act_fn = SiluAndMul()
+        self.fused_silu_matmul = envs.fused_silu_matmul()  # read when the model is built, not at every forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> this rank's partial sum of the output (down_proj does not all-reduce)."""
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and deterministic() and envs.fused_silu_matmul():  # SiLU-and-mul inside down_proj's matmul
+        if self.fused_silu_matmul and gate_up.is_cuda and deterministic():  # SiLU-and-mul inside down_proj's matmul
             from gpu_kernels.batch_invariant import silu_and_mul_matmul  # Triton is imported only where it runs
 
             return self.down_proj.finish(silu_and_mul_matmul(gate_up, self.down_proj.weight))
