@@ -177,7 +177,8 @@ class SampleState:
     @property
     def text(self) -> str:
         """The output text so far (all of it, for a deferred sample), cut at a stop string."""
-        self._catch_up()
+        if self.deferred:  # the others detokenize as their tokens come
+            self._catch_up()
         return self._text
 
     def _catch_up(self) -> None:
@@ -192,7 +193,8 @@ class SampleState:
         end of its text becomes U+FFFD, as `decode()` shows it."""
         if self.finished:
             return
-        self._catch_up()
+        if self.deferred:
+            self._catch_up()
         self._text += self.detokenizer.flush()
         self.finish_reason = reason
         if reason != "stop":
