@@ -15,6 +15,9 @@ After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones re
   CPU, where a pipelined step computes while it is launched and the previous one is finalized after it,
   so their gaps alternate between a few ms and two steps); on a GPU also the device
   time of each decode step and the device's idle time before it (host-bound steps show idle time);
+- on a GPU, the host chain: from a decode step's tokens reaching the host to the launch of the step that needs
+  its result (the plan after next), part by part (worker, sockets, the scheduler's result processing and planning,
+  the worker's launch), against the device step running meanwhile (from the worker's and the scheduler's step logs);
 - prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
   token, and over the device time of the prefill steps (GPU).
 
@@ -133,6 +136,47 @@ def summarize(raw: dict, steps: list[dict], args: argparse.Namespace, batch_size
     }
 
 
+CHAIN_PARTS = ("worker", "to scheduler", "result", "schedule", "to worker", "launch")
+
+
+def host_chain(steps: list[dict], plans: list[dict], windows: list[tuple[float, float]]) -> dict | None:
+    """Where the host's time goes between a decode step's tokens reaching the host and the launch of the step that
+    waits for its result (the plan after next: the scheduler plans step N+2 once step N's result is in). Mean ms
+    of each part over the decode steps of `windows`, from the worker's (`steps`) and the scheduler's (`plans`) step
+    logs, with the device time of the step in between: a chain longer than it leaves the device idle.
+
+    worker: the worker's own work on the result (logprobs to their wire form, encoding, sending); to scheduler:
+    the socket and the scheduler's wake-up; result: the scheduler's processing of it, with its outputs sent to the
+    frontend; schedule: planning, encoding and sending the plan; to worker: the socket and the worker's wake-up;
+    launch: the worker's input preparation and launch (its `prepare_ms` + `launch_ms`). None without the fields
+    (a log from an older engine, or a CPU run)."""
+    by_step = {s["step"]: s for s in steps}
+    parts: list[list[float]] = [[] for _ in CHAIN_PARTS]
+    device: list[float] = []
+    for plan in plans:
+        k, n = plan.get("after_result", -1), plan["step"]
+        done, nxt = by_step.get(k), by_step.get(n)
+        if done is None or nxt is None or "t_tokens" not in done or "t_result_sent" not in done:
+            continue
+        if not (done.get("decode") and nxt.get("decode")) or not any(t0 <= nxt["t_done"] <= t1 for t0, t1 in windows):
+            continue
+        result_end = plan["t_result"] + plan["result_ms"] / 1e3
+        values = (done["t_result_sent"] - done["t_tokens"], plan["t_result"] - done["t_result_sent"],
+                  plan["result_ms"] / 1e3, plan["t_sent"] - result_end, nxt["t_start"] - plan["t_sent"],
+                  (nxt["prepare_ms"] + nxt["launch_ms"]) / 1e3)
+        for part, v in zip(parts, values):
+            part.append(v)
+        between = by_step.get(k + 1)
+        if between is not None and "gpu_ms" in between:
+            device.append(between["gpu_ms"] / 1e3)
+    if not parts[0]:
+        return None
+    chain = {name: float(np.mean(p)) for name, p in zip(CHAIN_PARTS, parts)}
+    chain["total"] = float(np.mean(np.sum(parts, axis=0)))
+    chain["device_step"] = float(np.mean(device)) if device else None
+    return chain
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """Start one engine, measure every batch size of `args.batch_size` on it in turn, return the numbers."""
     with step_log_folder("deltaserve-latency-steps-") as step_dir:  # $DELTASERVE_STEP_LOG_DIR, else a temporary one
@@ -159,7 +203,11 @@ def run_engine(args: argparse.Namespace, step_dir: str) -> list[dict]:
     finally:
         llm.shutdown()
     steps = read_steps(os.path.join(step_dir, "worker-tp0.jsonl"))
-    return [summarize(raw, steps, args, batch_size, info) for raw, batch_size in zip(raws, args.batch_size)]
+    plans = read_steps(os.path.join(step_dir, "scheduler.jsonl"))
+    results = [summarize(raw, steps, args, batch_size, info) for raw, batch_size in zip(raws, args.batch_size)]
+    for r, raw in zip(results, raws):
+        r["host_chain_s"] = host_chain(steps, plans, raw["windows"])
+    return results
 
 
 def sampling_flags(r: dict) -> str:
@@ -182,6 +230,12 @@ def report(r: dict) -> None:
     if r["decode_step_device_s"] is not None:  # on a GPU: how much of a step is device work, how much waiting
         print(f"device time per decode step: {fmt(r['decode_step_device_s'])}; device idle before it: "
               f"{fmt(r['device_idle_before_decode_step_s'])}")
+    chain = r.get("host_chain_s")
+    if chain is not None and chain["device_step"] is not None:  # on a GPU
+        print("host chain from a decode step's tokens to the launch of the step after next (mean ms): "
+              + ", ".join(f"{name} {chain[name] * 1e3:.3f}" for name in CHAIN_PARTS)
+              + f"; total {chain['total'] * 1e3:.3f} against the {chain['device_step'] * 1e3:.3f} ms device step "
+              "in between")
     if r["prompt_tokens_per_s"] is not None and r["output_len"] == 1:
         device = r["prompt_tokens_per_device_s"]
         print(f"prefill: {r['prompt_tokens_per_s']:.0f} prompt tok/s (submission to the last first token)"

@@ -74,6 +74,9 @@ class SchedulerProcess:
         self.to_frontend = endpoints.make_socket(self.ctx, zmq.PUSH, endpoints.frontend_in, bind=False)
         self.scheduler: Scheduler | None = None
         self.step_started: dict[int, float] = {}
+        # The last step result handled: (its step id, perf_counter when it arrived, ms to process and forward it),
+        # written beside the next plan in the step log (the host chain from a step's end to the plan after next).
+        self.last_result: tuple[int, float, float] = (-1, 0.0, 0.0)
         self.step_timeout_s = envs.step_timeout_s()  # its CPU default once the workers say where they run
         self.watchdog = StepWatchdog(self.step_timeout_s, envs.step_timeout_floor_s())
         self.check_invariants = envs.check_invariants()
@@ -267,6 +270,7 @@ class SchedulerProcess:
     def _handle_worker(self, raw: bytes) -> None:
         sched = self.scheduler
         assert sched is not None
+        t_in = time.perf_counter()
         msg = self._worker_message(raw)
         if isinstance(msg, GrammarCompiled):
             log.debug("rank %d compiled grammar %d in %.3f s%s", msg.rank, msg.grammar_id, msg.compile_s,
@@ -284,6 +288,7 @@ class SchedulerProcess:
         outputs = sched.process_result(msg)
         self._send_outputs(outputs)
         self.phases.end()
+        self.last_result = (msg.step_id, t_in, (time.perf_counter() - t_in) * 1e3)
         self.profiling.after_result(msg.step_id)
         if self.check_invariants:
             sched.check_invariants()
@@ -322,7 +327,8 @@ class SchedulerProcess:
                 "prefill_chunks": len(plan.prefill_seq_ids), "decodes": len(plan.decode_seq_ids),
                 "preempted": len(plan.preempted_seq_ids), "finished": len(plan.finished_seq_ids),
                 "waiting": len(sched.waiting), "running": len(sched.running),
-                "free_blocks": sched.block_manager.num_free_blocks})
+                "free_blocks": sched.block_manager.num_free_blocks, "after_result": self.last_result[0],
+                "t_result": self.last_result[1], "result_ms": self.last_result[2]})
         if log.isEnabledFor(logging.DEBUG):
             self.step_started[plan.step_id] = t1
             log.debug("step %d planned: %d new, %d resumed, %d prefill chunks, %d decodes, %d preempted, "

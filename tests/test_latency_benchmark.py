@@ -66,3 +66,29 @@ def test_bad_profiling_flags_are_one_line_errors(tiny_qwen3: Path) -> None:
         done = subprocess.run([sys.executable, "benchmarks/latency.py", "--model", str(tiny_qwen3), *flags],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_host_chain_adds_up_the_parts_between_a_steps_tokens_and_the_launch_that_needs_them() -> None:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.latency import CHAIN_PARTS, host_chain
+
+    def worker(step: int, t: float) -> dict:  # step `step` launched at t, its tokens on the host 1 ms later
+        return {"step": step, "decode": True, "t_start": t, "prepare_ms": 0.05, "launch_ms": 0.10,
+                "t_tokens": t + 1e-3, "t_result_sent": t + 1.02e-3, "t_done": t + 1.01e-3, "gpu_ms": 0.9}
+
+    steps = [worker(k, k * 1e-3) for k in range(6)]
+    # The plan of step k+2 is sent after step k's result: it arrived 0.03 ms after it was sent, took 0.04 ms.
+    plans = [{"step": k + 2, "after_result": k, "t_result": steps[k]["t_result_sent"] + 3e-5, "result_ms": 0.04,
+              "t_sent": steps[k]["t_result_sent"] + 3e-5 + 4e-5 + 6e-5} for k in range(4)]
+    for k, plan in enumerate(plans):
+        steps[k + 2]["t_start"] = plan["t_sent"] + 2e-5
+    chain = host_chain(steps, plans, [(0.0, 1.0)])
+    assert chain is not None
+    expected = {"worker": 2e-5, "to scheduler": 3e-5, "result": 4e-5, "schedule": 6e-5, "to worker": 2e-5,
+                "launch": 1.5e-4}
+    for name in CHAIN_PARTS:
+        assert abs(chain[name] - expected[name]) < 1e-9, name
+    assert abs(chain["total"] - sum(expected.values())) < 1e-9
+    assert abs(chain["device_step"] - 0.9e-3) < 1e-12
+    assert host_chain(steps, plans, [(5.0, 6.0)]) is None  # no step of the window
+    assert host_chain([{k: v for k, v in s.items() if k != "t_tokens"} for s in steps], plans, [(0.0, 1.0)]) is None

@@ -361,6 +361,7 @@ class ModelRunner:
         if step.tokens is None:
             if step.event is not None:
                 step.event.synchronize()
+            step.timings["t_tokens"] = time.perf_counter()  # the tokens are on the host: the result's host work begins
             step.tokens = (np.zeros(0, dtype=np.int32) if step.tokens_host is None
                            else step.tokens_host.numpy().astype(np.int32))
             constrained = InputBatch.append_sampled(step.states, step.tokens)

@@ -176,9 +176,11 @@ class WorkerProcess:
         if self.rank == 0:
             ipc.send(self.results, StepResult(step.step_id, i32(tokens), step.timings, step.logprobs,
                                               step.prompt_logprobs, step.failed, i32(step.grammar_incomplete)))
+        t_sent = time.perf_counter()
         self.profiling.phases.end()
         self.profiling.step_done(step.step_id, step.timings)
-        self.step_log.write({"step": step.step_id, **step.timings})
+        if self.step_log.enabled:
+            self.step_log.write({"step": step.step_id, **step.timings, "t_result_sent": t_sent})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s", step.step_id, " ".join(f"{k} {float(v):.2f}" for k, v in step.timings.items()))
 
