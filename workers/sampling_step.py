@@ -66,6 +66,10 @@ class LogprobsOnHost:
         if self.select is not None:
             tensors = tuple(t[self.select] for t in tensors)
         token_lp, ranks, top_lp, top_ids = tensors
+        if len(self.counts) == len(token_lp) and (self.counts == 1).all():  # one position a row (sampled tokens)
+            keep = (np.arange(top_lp.shape[1])[None, :] < self.num_top[:, None]) & np.isfinite(top_lp)
+            return Logprobs(i32(self.rows), i32(self.counts), i32(keep.sum(axis=1)), f32(token_lp), i32(ranks),
+                            i32(top_ids[keep]), f32(top_lp[keep]))
         want = np.repeat(self.num_top, self.counts)  # [P]
         keep = (np.arange(top_lp.shape[1])[None, :] < want[:, None]) & np.isfinite(top_lp)
         per_position = keep.sum(axis=1)
