@@ -165,15 +165,6 @@ def decode_inline_combine() -> bool:
     return _flag("DELTASERVE_DECODE_INLINE_COMBINE")
 
 
-def fused_silu_matmul() -> bool:
-    """DELTASERVE_FUSED_SILU_MATMUL: in deterministic mode on a GPU, batches of few rows compute SiLU-and-mul inside
-    down_proj's batch-invariant matmul (gpu_kernels/batch_invariant.silu_and_mul_matmul: one launch fewer per
-    layer, the same bits). Default off: with it on, deterministic batch 1 measured 1.47 ms a step on an H100 where
-    the two-kernel path had measured 1.27 ms (on another H100, no A/B in one call yet: benchmarks/RESULTS.md,
-    2026-12-07 late). Read when the model is built."""
-    return _flag("DELTASERVE_FUSED_SILU_MATMUL")
-
-
 def eager_sampling() -> bool:
     """DELTASERVE_EAGER_SAMPLING: sample decode steps outside their CUDA graph, the LM head and the sampler launched
     one by one (default off: a decode step whose rows need no logits processing runs its LM head and sampler in a
@@ -330,7 +321,6 @@ def check_all() -> None:
     eager_sampling()
     processed_sampler()
     decode_inline_combine()
-    fused_silu_matmul()
     pdl()
     matmul_small_tile()
     step_timeout_s()

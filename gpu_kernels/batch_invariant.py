@@ -182,7 +182,6 @@ def _persistent_matmul_kernel(
     INTERPRETED: tl.constexpr,
     SPLIT_OUT: tl.constexpr,
     PDL: tl.constexpr,
-    SILU_X: tl.constexpr = False,
 ):
     # The K range is cut at every K_SPLIT features into splits; each split's products are summed from zero by one
     # chain of tl.dot steps over its K tiles, and the splits' sums are added to a float32 total in increasing
@@ -231,13 +230,6 @@ def _persistent_matmul_kernel(
             else:  # the last K tile adds products of zeros, which leave a float32 sum unchanged
                 x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k, other=0.0)
                 w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k, other=0.0)
-            if SILU_X:  # x's rows are [gate | up]: the tile above is the gate, the up features sit K further on
-                if EVEN_K:
-                    up = tl.load(x_ptrs + K * stride_xk)
-                else:
-                    up = tl.load(x_ptrs + K * stride_xk, mask=offs_k[None, :] < K - k, other=0.0)
-                # silu_and_mul_rows' element, the same roundings: the product sees the same bf16 input either way
-                x = silu_mul(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
             if INTERPRETED:
                 # numpy's matmul (the interpreter's tl.dot) gives a row other bits at another position in the tile
                 # (OpenBLAS's micro-kernels split the rows); products summed over K by tl.sum, k after k, do not.
@@ -305,7 +297,7 @@ def _without_k(m: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: t
 
 def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       config: MatmulConfig | None = None, num_programs: int | None = None,
-                      split_out: bool | None = None, silu_x: bool = False) -> torch.Tensor:
+                      split_out: bool | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` by the persistent Triton kernel, on any device (CPU tensors: the Triton interpreter).
 
     Args:
@@ -321,8 +313,6 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             `[splits, M, N]` that the last of a tile's programs to finish adds up (True), or every split of a tile in
             one program (False). None: side by side where the output tiles are fewer than the programs and K has
             several splits. It never changes the result either: both add the same split sums in the same order.
-        silu_x: x is `[M, 2 * K]`, SwiGLU's `[gate | up]`, and the product is of `silu_and_mul_rows(x)`, computed
-            as the tiles load (one launch and one round trip of the activations fewer; the same bits).
 
     Returns:
         y `[M, N]` contiguous, in x's dtype: per split of `config.k_split` features, float32 sums over K tiles of
@@ -338,9 +328,7 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Reads no tensor value on the host, so it can be captured in a CUDA graph once an eager call on the device has
     allocated the split counters (`gpu_kernels/split_counters.py`; the model runner's warm-up makes one).
     """
-    _check_matmul(x[:, : x.shape[1] // 2] if silu_x else x, weight, bias)
-    if silu_x and x.shape[1] % 2:
-        raise ValueError(f"silu_x needs x [M, 2 * K], got {tuple(x.shape)}")
+    _check_matmul(x, weight, bias)
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if m == 0 or n == 0 or k == 0:
@@ -366,31 +354,9 @@ def persistent_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         # CPU tensors run in the interpreter, whose products are taken in float32 (exact for 16-bit inputs, as on
         # tensor cores) and summed without numpy's matmul.
         IEEE_DOT=x.dtype == torch.float32, INTERPRETED=x.device.type == "cpu", SPLIT_OUT=split_out, PDL=pdl,
-        SILU_X=silu_x, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y
-
-
-def silu_and_mul_matmul(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`matmul_batch_invariant(silu_and_mul_rows(gate_up), weight)` on a GPU, with the same bits: batches of a
-    few rows (the first `HOPPER_CONFIGS` entry) compute SiLU-and-mul as the matmul loads its input tiles, one
-    launch fewer per MLP; larger ones launch the two kernels.
-
-    Args:
-        gate_up: `[M, 2 * K]` SwiGLU's `[gate | up]`, bfloat16, float16 or float32, on a CUDA device (CPU tensors:
-            the Triton interpreter).
-        weight: `[N, K]` in gate_up's dtype.
-
-    Returns:
-        `[M, N]` in gate_up's dtype.
-
-    Raises:
-        ValueError: as `silu_and_mul_rows` and `persistent_matmul`.
-    """
-    family = HOPPER_CONFIGS.get(gate_up.dtype)
-    if family is not None and gate_up.dim() == 2 and gate_up.shape[0] <= family[0][0]:
-        return persistent_matmul(gate_up, weight, silu_x=True)
-    return persistent_matmul(silu_and_mul_rows(gate_up), weight)
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

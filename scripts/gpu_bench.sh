@@ -12,7 +12,7 @@
 #   serving  benchmarks/serving.py over HTTP: reference, rate sweep, batch 1 HTTP vs offline        (~9 min)
 #   multigpu the all-reduce table and the 8B-shaped TP=1 against TP=2 run (two GPUs or more)
 #   deterministic  issue 34's GPU tests, then throughput and batch-1 latency with and without --deterministic
-#            (batch 1 also with DELTASERVE_FUSED_SILU_MATMUL=1), profile_step --deterministic at batch 1 and 256, the batch-invariant matmul bench         (~9 min)
+#            profile_step --deterministic at batch 1 and 256, the batch-invariant matmul bench              (~8 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -106,11 +106,6 @@ for flag in "" --deterministic; do
       --num-iters-warmup 2 --num-iters 5 --temperature 0.6 $flag --json "$out/latency-batch1$flag.json" 2>&1 \
       | tee "$out/latency-batch1$flag.log"
 done
-# SiLU-and-mul inside down_proj's few-row matmul (off by default: its first runs were 0.2 ms a step slower, with no
-# A/B in one call): batch 1 with it, right after the runs above.
-DELTASERVE_FUSED_SILU_MATMUL=1 timeout 120 python3 benchmarks/latency.py --model "$ckpt" --input-len 100 \
-    --output-len 512 --batch-size 1 --num-iters-warmup 2 --num-iters 5 --temperature 0.6 --deterministic \
-    --json "$out/latency-batch1-deterministic-fused-silu.json" 2>&1 | tee "$out/latency-batch1-deterministic-fused-silu.log"
 for b in 1 256; do
   timeout 100 python3 benchmarks/profile_step.py --model "$ckpt" --batch $b --context 600 --deterministic 2>&1 \
       | tee "$out/profile-step-deterministic-$b.log"

@@ -147,7 +147,6 @@ def test_check_invariants_refuses_other_words_by_name(monkeypatch: pytest.Monkey
                                              ("DELTASERVE_PROFILE_WITH_STACK", "stacks"),
                                              ("DELTASERVE_EAGER_SAMPLING", "maybe"),
                                              ("DELTASERVE_DECODE_INLINE_COMBINE", "sometimes"),
-                                             ("DELTASERVE_FUSED_SILU_MATMUL", "perhaps"),
                                              ("DELTASERVE_PDL", "2")])
 def test_a_bad_variable_stops_a_cpu_engine_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      name: str, value: str) -> None:

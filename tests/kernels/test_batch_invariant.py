@@ -41,7 +41,6 @@ from gpu_kernels.batch_invariant import (  # noqa: E402
     persistent_matmul,
     rms_norm_batch_invariant,
     rms_norm_rows,
-    silu_and_mul_matmul,
     silu_and_mul_rows,
     with_small_tile,
 )
@@ -185,27 +184,6 @@ def test_persistent_matmul_with_the_hopper_configuration_splits_k_the_same_way_a
     for i in (0, 64, 129):
         assert torch.equal(together[i], persistent_matmul(x[i:i + 1], weight)[0]), f"row {i}"
     assert_float32_product(together, x, weight, None)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_silu_and_mul_inside_the_matmul_gives_the_bits_of_the_two_kernels(dtype: torch.dtype) -> None:
-    """K = 100: a K tail inside the last tile, where gate and up are both masked."""
-    gate_up, weight, _ = random_inputs(5, 24, 200, dtype, with_bias=False, seed=21)
-    weight = weight[:, :100].contiguous()
-
-    fused = persistent_matmul(gate_up, weight, config=SMALL_TILES, silu_x=True)
-
-    assert torch.equal(fused, persistent_matmul(silu_and_mul_rows(gate_up), weight, config=SMALL_TILES))
-
-
-def test_silu_and_mul_matmul_gives_a_row_the_same_bits_fused_alone_or_in_two_kernels_in_a_batch() -> None:
-    """A row alone takes the fused path (few rows), the 20-row batch the two kernels."""
-    gate_up, weight, _ = random_inputs(20, 24, 192, torch.bfloat16, with_bias=False, seed=22)
-    weight = weight[:, :96].contiguous()
-
-    assert_each_row_as_alone(lambda x: silu_and_mul_matmul(x, weight), gate_up)
-    with pytest.raises(ValueError, match=r"silu_x needs x \[M, 2 \* K\], got \(2, 193\)"):
-        persistent_matmul(torch.zeros(2, 193, dtype=torch.bfloat16), weight[:, :96], silu_x=True)
 
 
 def test_persistent_matmul_reads_any_strides() -> None:
@@ -580,14 +558,14 @@ def compiled(fn, signature, constexprs, num_warps, num_stages=3, aligned=()):
     ops = ("wgmma.mma_async", "mma.sync", "cp.async", "div.rn.f32", "rsqrt.approx")
     return {"shared": kernel.metadata.shared, **{op: len(re.findall(re.escape(op), ptx)) for op in ops}}
 
-def matmul(dtype, ty, config, split_out, silu=False):
+def matmul(dtype, ty, config, split_out):
     signature = {"x_ptr": ty, "w_ptr": ty, "bias_ptr": ty, "y_ptr": ty, "partial_ptr": "*fp32",
                  "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
                  "stride_ym": "i32"}
     constexprs = {"stride_xk": 1, "stride_wk": 1, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "K_SPLIT": config.k_split, "GROUP_M": config.group_m, "HAS_BIAS": True,
                   "EVEN_K": True, "IEEE_DOT": dtype == torch.float32, "INTERPRETED": False,
-                  "SPLIT_OUT": split_out, "PDL": True, "SILU_X": silu}
+                  "SPLIT_OUT": split_out, "PDL": True}
     aligned = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "partial_ptr", "N", "K", "stride_xm", "stride_wn",
                "stride_ym")
     return compiled(b._persistent_matmul_kernel, signature, constexprs, config.num_warps, config.num_stages, aligned)
@@ -599,8 +577,6 @@ for dtype, ty, name in ((torch.bfloat16, "*bf16", "bf16"), (torch.float32, "*fp3
     for max_m, config in b.HOPPER_CONFIGS[dtype]:
         for split_out in (False, True):
             ops[f"{name}-m{config.block_m}{'-split-out' if split_out else ''}"] = matmul(dtype, ty, config, split_out)
-    # SiLU-and-mul inside the few-row matmul (silu_and_mul_matmul)
-    ops[f"{name}-m16-split-out-silu"] = matmul(dtype, ty, b.HOPPER_CONFIGS[dtype][0][1], True, silu=True)
 print(json.dumps(ops))
 """
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may take on an H100 or H200
@@ -614,7 +590,7 @@ def test_the_kernels_compile_for_hopper_with_tensor_cores_for_16_bit_inputs() ->
     # software pipeline), whether a program adds its splits (the branch at each split's end inside the K loop) or
     # writes one split out; fp32: IEEE products, no tensor cores.
     matmuls = {name: counts for name, counts in ops.items() if name != "norm"}
-    assert len(matmuls) == 14
+    assert len(matmuls) == 12
     for name, counts in matmuls.items():
         tensor_core_ops = counts["wgmma.mma_async"] + counts["mma.sync"]
         assert tensor_core_ops > 0 if name.startswith("bf16") else tensor_core_ops == 0, name

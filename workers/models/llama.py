@@ -16,9 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common import envs
 from workers.attention.base import AttentionMetadata
-from workers.deterministic import deterministic
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -94,15 +92,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, reduce_results=False)
         self.act_fn = SiluAndMul()
-        self.fused_silu_matmul = envs.fused_silu_matmul()  # read when the model is built, not at every forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> this rank's partial sum of the output (down_proj does not all-reduce)."""
         gate_up = self.gate_up_proj(x)
-        if self.fused_silu_matmul and gate_up.is_cuda and deterministic():  # SiLU-and-mul inside down_proj's matmul
-            from gpu_kernels.batch_invariant import silu_and_mul_matmul  # Triton is imported only where it runs
-
-            return self.down_proj.finish(silu_and_mul_matmul(gate_up, self.down_proj.weight))
         return self.down_proj(self.act_fn(gate_up))
 
 
