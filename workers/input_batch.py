@@ -77,6 +77,9 @@ class InputBatch:
         self.forks: list[tuple[ReqState, ReqState]] = []  # of the plan just applied: (fork, parent)
         self.admitted_penalized: list[ReqState] = []  # of the plan just applied
         self.num_processed = 0  # live requests whose logits are processed: none, and a step skips that path
+        # The last step's processed rows with their key (`_processing`): a decode step of the same requests in the
+        # same rows, none with sparse entries or a grammar, has the same ones.
+        self._last_processing: tuple[tuple[tuple[int, ...], bytes], ProcessingInputs] | None = None
 
     # ------------------------------------------------------------------ plan deltas
     def _take_row(self, st: ReqState) -> None:
@@ -104,6 +107,8 @@ class InputBatch:
         """
         self.forks = []
         self.admitted_penalized = []
+        if plan.new_requests or plan.forked_requests:  # new request states: keys by seq id start afresh
+            self._last_processing = None
         for seq_id in plan.finished_seq_ids.tolist():
             st = self.reqs.pop(seq_id, None)
             if st is not None:
@@ -177,6 +182,21 @@ class InputBatch:
             st.grammar = self.new_grammar(gid, st.options.reasoning_end_token_id, st.options.reasoning_start_token_id)
 
     # ------------------------------------------------------------------ step inputs
+    def _processing(self, states: list[ReqState], temperatures: np.ndarray, rows: np.ndarray
+                    ) -> ProcessingInputs | None:
+        """`build_processing` of a step's sampling rows, or the last step's result when the step samples the same
+        requests in the same rows and none of them has sparse entries (bias, bans: they follow the output) or a
+        grammar. A steady decode batch thus builds its processed rows once, not every step (40 us at one row, 130
+        us at 256 on the CI machine, on the way from a result to the launch that waits for it)."""
+        key = (tuple([st.seq_id for st in states]), rows.tobytes())
+        last = self._last_processing
+        if last is not None and last[0] == key:
+            return last[1]
+        h = build_processing(states, temperatures, self.vocab_size, rows)
+        reusable = h is not None and not any(st.sparse or st.grammar is not None for st in states)
+        self._last_processing = (key, h) if reusable else None
+        return h
+
     def prepare(self, scheduled: list[tuple[ReqState, int]]) -> StepInputs:
         """Build the step's host inputs and advance the requests' counters as if it ran."""
         b = len(scheduled)
@@ -210,8 +230,7 @@ class InputBatch:
             sampling_states = sampling_states + [f for f, _ in forks]
         seeded = [(i, st.seed, st.num_tokens) for i, st in enumerate(sampling_states) if st.seed is not None]
         temperatures = np.fromiter((st.temperature for st in sampling_states), np.float32, len(sampling_states))
-        processing = build_processing(sampling_states, temperatures, self.vocab_size, sampling_rows) if (
-            self.num_processed) else None
+        processing = self._processing(sampling_states, temperatures, sampling_rows) if self.num_processed else None
         prompt_logprobs = self._prompt_logprob_positions(scheduled, start, query_start_loc)
         for st, n in scheduled:
             st.num_computed += n

@@ -144,3 +144,24 @@ def test_one_captured_graph_replays_two_different_steps() -> None:
         _assert_same_rows(graph_out, eager_out, b)
         for row in (1, 4):  # the penalized rows were recorded alike
             assert all(torch.equal(m[row], t[row]) for m, t in zip(bits.tensors(), eager_bits.tensors()))
+
+
+def test_the_same_processed_rows_again_are_written_from_the_last_host_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`InputBatch` hands a steady decode batch the same `ProcessingInputs` object each step: its host tables are
+    computed once, and every mirror still gets them (the two mirrors alternate)."""
+    import workers.sampling_graphs as sampling_graphs
+
+    calls = []
+    real = sampling_graphs.processing_host
+    monkeypatch.setattr(sampling_graphs, "processing_host", lambda *a: calls.append(1) or real(*a))
+    states, temps = _step(3)
+    h = build_processing(states, temps, VOCAB)
+    io = ProcessedGraphInputs(16, VOCAB, torch.device("cpu"), max_entries=64)
+    first = {name: view.copy() for name, view in io.fill(h, temps, 8).views.items()}
+    second = io.fill(h, temps, 8)
+    assert len(calls) == 1
+    for name, view in second.views.items():
+        assert np.array_equal(view, first[name]), name
+    io.fill(build_processing(states, temps, VOCAB), temps, 8)  # another step's rows: computed again
+    io.fill(h, temps * 2, 8)
+    assert len(calls) == 3
