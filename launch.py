@@ -59,7 +59,7 @@ try:
         EngineConfig,
     )
     from common.protocol import GenerateRequest
-    from common.sampling_params import SamplingParams
+    from common.sampling_params import SEED_LIMIT, SamplingParams
     from common.units import count
     from frontend.cli import ArgumentParser, HelpFormatter
     from frontend.tool_parsers import TOOL_PARSER_NAMES
@@ -123,7 +123,8 @@ def build_parser() -> ArgumentParser:
                         "answer; a structured-output constraint then applies to the answer (vLLM's names)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's logits are bitwise the same whatever else is in its "
-                        "batch, so greedy and seeded requests repeat exactly (CPU or GPU; docs/deterministic.md)")
+                        "batch, so greedy and seeded requests (--sampling-seed) repeat exactly (CPU or GPU; "
+                        "docs/deterministic.md)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
@@ -146,6 +147,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    s.add_argument("--sampling-seed", type=int, default=None, metavar="SEED",
+                   help="each prompt's own sampling seed (SamplingParams.seed): a sampled prompt then gives the same "
+                        "tokens in every run, and with --deterministic also among any other prompts; without it its "
+                        "seed comes from --seed and the order the prompts arrive in")
     from frontend.cli import add_sampling_arguments
     from frontend.launcher import TIMEOUT_HEADER_S, TIMEOUT_KEEP_ALIVE_S
 
@@ -301,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --prompt (one or more), or --serve")
     from frontend.cli import sampling_params_from_args
 
+    if args.sampling_seed is not None and not 0 <= args.sampling_seed < SEED_LIMIT:  # its own flag in the message
+        parser.error(f"--sampling-seed must be an integer in [0, 2**63), got {args.sampling_seed}")
     params = sampling_params_from_args(parser, args, temperature=args.temperature, max_tokens=args.max_tokens,
-                                       ignore_eos=args.ignore_eos)
+                                       ignore_eos=args.ignore_eos, seed=args.sampling_seed)
     if params.n > args.max_num_seqs >= 1:  # the engine's own check, made before it starts (its samples run at once)
         parser.error(f"--n must be at most --max-num-seqs ({args.max_num_seqs}): the samples of a prompt run at "
                      f"once, got {params.n}")
@@ -382,11 +389,13 @@ def main(argv: list[str] | None = None) -> int:
             if client_address is not None:
                 where.append(f"ZeroMQ clients on {engine.endpoints.client}")
             print(f"deltaserve: serving {info['model']} ({config.model}) to {' and '.join(where)} "
-                  f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}); "
-                  "Ctrl-C to stop", file=sys.stderr, flush=True)
+                  f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}"
+                  f"{'; deterministic mode' if info.get('deterministic') else ''}); Ctrl-C to stop",
+                  file=sys.stderr, flush=True)
             engine.wait()
             return 0
-        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model})", file=sys.stderr)
+        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model}"
+              f"{'; deterministic mode' if info.get('deterministic') else ''})", file=sys.stderr)
         return run_prompts(engine, prompts, params, chat=args.chat or demo, as_json=args.json)
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)

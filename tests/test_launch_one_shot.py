@@ -131,3 +131,25 @@ def test_answers_to_a_reader_that_left_end_quietly_with_sigpipes_status(tiny_qwe
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 141 and "Traceback" not in err, err
+
+
+def test_a_sampling_seed_gives_a_deterministic_engine_the_same_sampled_answer_alone_and_among_other_prompts(
+        tiny_qwen3: Path) -> None:
+    """--seed seeds the workers' generator, which hands prompts their seeds in the order they arrive; --sampling-seed
+    is each prompt's own (SamplingParams.seed)."""
+    def answers(*prompts: str) -> dict[str, dict]:
+        args = [sys.executable, "launch.py", "--model", str(tiny_qwen3), "--device", "cpu", "--deterministic",
+                "--sampling-seed", "7", "--temperature", "1.0", "--max-tokens", "8", "--ignore-eos", "--logprobs",
+                "2", "--json"]
+        for p in prompts:
+            args += ["--prompt", p]
+        done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return {row["prompt"]: row for row in map(json.loads, done.stdout.splitlines())}
+
+    alone = answers("the sea")["the sea"]
+    among = answers("one two", "the sea", "three four five six")["the sea"]
+    assert among["token_ids"] == alone["token_ids"] and among["outputs"] == alone["outputs"]  # logprobs too
+    bad = subprocess.run([sys.executable, "launch.py", "--sampling-seed", "-1", "--prompt", "x"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--sampling-seed must be an integer in [0, 2**63), got -1" in bad.stderr
