@@ -384,18 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         info = engine.start()  # a capacity warning, if any, was logged by the scheduler
+        mode = "; deterministic mode" if info.get("deterministic") else ""
         if args.serve:
             where = [f"the OpenAI API on http://{args.host}:{args.http_port}/v1"] if http is not None else []
             if client_address is not None:
                 where.append(f"ZeroMQ clients on {engine.endpoints.client}")
             print(f"deltaserve: serving {info['model']} ({config.model}) to {' and '.join(where)} "
-                  f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}"
-                  f"{'; deterministic mode' if info.get('deterministic') else ''}); Ctrl-C to stop",
-                  file=sys.stderr, flush=True)
+                  f"({count(info['num_kv_blocks'], 'KV block')} of {count(info['block_size'], 'token')}{mode}); "
+                  "Ctrl-C to stop", file=sys.stderr, flush=True)
             engine.wait()
             return 0
-        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model}"
-              f"{'; deterministic mode' if info.get('deterministic') else ''})", file=sys.stderr)
+        print(f"deltaserve: engine ready in {time.perf_counter() - t0:.1f} s ({config.model}{mode})", file=sys.stderr)
         return run_prompts(engine, prompts, params, chat=args.chat or demo, as_json=args.json)
     except KeyboardInterrupt:
         print("deltaserve: stopping", file=sys.stderr)
