@@ -146,8 +146,8 @@ def host_chain(steps: list[dict], plans: list[dict], windows: list[tuple[float, 
     logs, with the device time of the step in between: a chain longer than it leaves the device idle.
 
     worker: the worker's own work on the result (logprobs to their wire form, encoding, sending); to scheduler:
-    the socket and the scheduler's wake-up; result: the scheduler's processing of it (its outputs go to the frontend
-    after the plan); schedule: planning, encoding and sending the plan; to worker: the socket and the worker's wake-up;
+    the socket and the scheduler's wake-up; result: the scheduler's processing of it, with its outputs sent to the
+    frontend; schedule: planning, encoding and sending the plan; to worker: the socket and the worker's wake-up;
     launch: the worker's input preparation and launch (its `prepare_ms` + `launch_ms`). None without the fields
     (a log from an older engine, or a CPU run)."""
     by_step = {s["step"]: s for s in steps}

@@ -77,10 +77,6 @@ class SchedulerProcess:
         # The last step result handled: (its step id, perf_counter when it arrived, ms to process and forward it),
         # written beside the next plan in the step log (the host chain from a step's end to the plan after next).
         self.last_result: tuple[int, float, float] = (-1, 0.0, 0.0)
-        # Outputs of the step results just handled (with the step id of each result, None for other outputs), sent
-        # to the frontend once the next plans are out: a plan waits for the result before it, the frontend does not
-        # need its copy first.
-        self.outputs_after_plans: list[tuple[StepOutputs, int | None]] = []
         self.step_timeout_s = envs.step_timeout_s()  # its CPU default once the workers say where they run
         self.watchdog = StepWatchdog(self.step_timeout_s, envs.step_timeout_floor_s())
         self.check_invariants = envs.check_invariants()
@@ -202,14 +198,6 @@ class SchedulerProcess:
                 self._send_plan(plan, t0)
                 if self.check_invariants:
                     sched.check_invariants()
-            if self.outputs_after_plans:
-                self.phases.begin("send outputs")
-                for outputs, step_id in self.outputs_after_plans:  # in the order their results came
-                    self._send_outputs(outputs)
-                    if step_id is not None:  # a profiling session that ends here stops the frontend after them
-                        self.profiling.after_result(step_id)
-                self.outputs_after_plans.clear()
-                self.phases.end()
             finished = sched.take_finished()
             if finished:
                 self._send_outputs(StepOutputs(step_id=-1, finished=finished))
@@ -289,7 +277,7 @@ class SchedulerProcess:
                       f": {msg.error}" if msg.error else "")
             finished = sched.grammar_compiled(msg)
             if finished:
-                self.outputs_after_plans.append((StepOutputs(step_id=-1, finished=finished), None))
+                self._send_outputs(StepOutputs(step_id=-1, finished=finished))
             return
         if not isinstance(msg, StepResult):
             log.error("unexpected %s from a worker", type(msg).__name__)
@@ -298,9 +286,10 @@ class SchedulerProcess:
         self.phases.begin("process result", msg.step_id)
         self.watchdog.finished(msg.step_id, time.monotonic())
         outputs = sched.process_result(msg)
-        self.outputs_after_plans.append((outputs, msg.step_id))
+        self._send_outputs(outputs)
         self.phases.end()
         self.last_result = (msg.step_id, t_in, (time.perf_counter() - t_in) * 1e3)
+        self.profiling.after_result(msg.step_id)
         if self.check_invariants:
             sched.check_invariants()
         if log.isEnabledFor(logging.DEBUG):
