@@ -3,6 +3,7 @@ Qwen3's vocabulary in bf16.
 
     python benchmarks/sampling_bench.py [--batches 1 64 256] [--calls 10] [--replays 20]
     python benchmarks/sampling_bench.py --dry-run    # CPU, Triton interpreter, tiny sizes: runs every path once
+    python benchmarks/sampling_bench.py --kernels target filtered --batches 256   # device time of each kernel
 
 Cases (every row of a batch alike, temperature 0.6):
   plain        temperature only: today `sample_candidates`; new, the same scan inside processed_sample
@@ -37,6 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--kernels" in sys.argv:
+    os.environ["DELTASERVE_PDL"] = "0"  # with PDL a kernel's span would include its wait for the one before
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -161,6 +164,27 @@ def device_us(fn: Callable[[], object], calls: int, replays: int) -> tuple[float
     return statistics.median(times), captured
 
 
+def kernel_breakdown(fn: Callable[[], object], calls: int) -> list[tuple[str, float]]:
+    """(kernel name, mean device microseconds per call) of `calls` eager calls under torch.profiler, slowest
+    first, with "total" last. PDL is off in this mode (see the imports), so spans do not overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("(")[0][:48]
+            spans[name] = spans.get(name, 0.0) + event.time_range.elapsed_us() / calls
+    rows = sorted(spans.items(), key=lambda kv: -kv[1])
+    return rows + [("total", sum(spans.values()))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -168,6 +192,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per CUDA graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, vocabulary 512, batch 2; no timing")
+    ap.add_argument("--kernels", nargs="+", choices=list(CASES), metavar="CASE",
+                    help="instead of the table: each fused kernel's device time for these cases (PDL off)")
     args = ap.parse_args()
     if args.dry_run:
         for name in CASES:
@@ -181,6 +207,13 @@ def main() -> None:
     compile_for_batches(max(args.batches), torch.bfloat16, ProcessedSamplingWorkspace("cuda", args.vocab),
                         num_top=NUM_TOP)
     print(f"vocabulary {args.vocab}, bf16 logits, {torch.cuda.get_device_name()}; device time per call")
+    if args.kernels:
+        for name in args.kernels:
+            for batch in args.batches:
+                print(f"{name}, batch {batch} (us per call, eager, PDL off):")
+                for kernel, us in kernel_breakdown(build(name, batch, args.vocab, "cuda").new, args.calls):
+                    print(f"  {kernel:<50} {us:8.1f}")
+        return
     print("| case | batch | fused (us) | today (us) | today / fused |")
     print("|---|---|---|---|---|")
     for name in CASES:
