@@ -131,6 +131,11 @@ class PhaseRecorder:
         self._range.__enter__()
         self._open = (name, step, time.perf_counter_ns())
 
+    @property
+    def current(self) -> tuple[str, int] | None:
+        """(name, step) of the open phase, or None."""
+        return None if self._open is None else self._open[:2]
+
     def end(self) -> None:
         """End the open phase, if any."""
         if self.recording and self._open is not None:

@@ -487,6 +487,17 @@ class _StubCPURunner(_StubRunner):
     on_device = False
 
 
+class _StubConstrainedRunner(_StubRunner):
+    """Every step has constrained rows: `execute` receives the previous step's tokens before it fills the masks, and
+    says so as ModelRunner does (`on_previous_received`)."""
+
+    def execute(self, plan: StepPlan) -> _StubStep | None:
+        step = super().execute(plan)
+        self.on_previous_received()  # type: ignore[attr-defined]  # set by the worker's loop
+        self.calls.append(("masks", plan.step_id))
+        return step
+
+
 def _run_worker_loop(monkeypatch: pytest.MonkeyPatch, runner: type[_StubRunner],
                      plans_to_send: list[StepPlan]) -> tuple[_StubRunner, list[int]]:
     """Queue `plans_to_send` and a shutdown, run rank 0's step loop over them with a stub `runner`; returns the
@@ -541,6 +552,18 @@ def test_worker_loop_sends_a_cpu_step_before_the_next_runs_and_a_gpu_step_after_
     assert sent == [0, 1, 2]
 
 
+def test_worker_loop_sends_the_previous_result_before_a_constrained_step_fills_its_masks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with constrained rows waits for the previous step's tokens to fill its masks; that step's result goes
+    out then, once, so that the scheduler plans the next step while the masks are filled (sent after the launch, it
+    left the device idle for the scheduler's round trip after every constrained step)."""
+    plans = [StepPlan(step_id=i, decode_seq_ids=i32([3])) for i in range(3)]
+    runner, sent = _run_worker_loop(monkeypatch, _StubConstrainedRunner, plans)
+    assert runner.calls == [("execute", 0), ("masks", 0), ("execute", 1), ("send", 0), ("masks", 1),
+                            ("execute", 2), ("send", 1), ("masks", 2), ("send", 2)]
+    assert sent == [0, 1, 2]
+
+
 def test_a_constrained_request_is_checked_at_its_last_token_and_an_incomplete_grammar_reaches_its_finish() -> None:
     """The plan that samples a constrained request's last token (max_tokens) names it, and only that plan; rank 0's
     answer that its grammar was then incomplete marks its "length" finish (structured outputs, issue 32)."""
@@ -565,3 +588,29 @@ def test_a_constrained_request_is_checked_at_its_last_token_and_an_incomplete_gr
     assert checked == [[], [0, 10]]  # the prefill samples token 1 of 2; the decode step samples the last
     assert [(f.seq_id, f.reason, f.structured_output_incomplete) for f in finished] == [(0, "length", True),
                                                                                        (10, "length", False)]
+
+
+def test_model_runner_reports_the_previous_tokens_and_resumes_its_phase() -> None:
+    """`ModelRunner._receive_last_launched` (the constrained steps' wait) receives the step launched last, then calls
+    `on_previous_received` (the worker sends that step's result there), and the open profiling phase goes on."""
+    from common.profiling import PhaseRecorder
+    from workers.model_runner import ModelRunner
+
+    events: list[str] = []
+    phases = PhaseRecorder()
+    phases.start(lambda name: SimpleNamespace(__enter__=lambda: None, __exit__=lambda *a: None))
+    runner = SimpleNamespace(_last_launched="step 4", phases=phases, receive=lambda step: events.append(step))
+
+    def send() -> None:
+        events.append("sent")
+        phases.begin("send result", 4)
+        phases.end()
+
+    runner.on_previous_received = send
+    phases.begin("sample", 5)
+    ModelRunner._receive_last_launched(runner)  # type: ignore[arg-type]
+    assert events == ["step 4", "sent"]
+    assert phases.current == ("sample", 5)
+    runner._last_launched = None  # nothing launched: nothing to receive or send
+    ModelRunner._receive_last_launched(runner)  # type: ignore[arg-type]
+    assert events == ["step 4", "sent"]

@@ -139,6 +139,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self._last_step_end: torch.cuda.Event | None = None
         self._last_launched: PendingStep | None = None  # the step launched last: its tokens may not be received
+        # Called once a constrained step has received the previous step's tokens, before it fills its masks: the
+        # worker process sends that step's result from here (see `_receive_last_launched`).
+        self.on_previous_received: Callable[[], None] | None = None
         self.phases = PhaseRecorder()  # the worker's, while it profiles (common/profiling.py)
         log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
                  self.dtype, self.backend.name)
@@ -349,9 +352,17 @@ class ModelRunner:
 
     def _receive_last_launched(self) -> None:
         """Receive the tokens of the step launched last, if it has not been finalized (`SamplingStep`'s wait
-        before a grammar bitmask)."""
+        before a grammar bitmask), then call `on_previous_received`. The worker process sends that step's result
+        there, before the masks are filled, not after this step's launch: the scheduler then plans the next step
+        while the masks fill, and its plan is waiting when this step's sampling is launched. Sent after the masks,
+        the result made the device idle for the scheduler's round trip after every constrained step."""
         if self._last_launched is not None:
             self.receive(self._last_launched)
+            if self.on_previous_received is not None:
+                phase = self.phases.current
+                self.on_previous_received()  # it records phases of its own: resume this step's afterwards
+                if phase is not None:
+                    self.phases.begin(*phase)
 
     def receive(self, step: PendingStep) -> np.ndarray:
         """Wait for a step's sampled tokens, record them in the batch and advance the constrained requests'

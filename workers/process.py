@@ -92,6 +92,7 @@ class WorkerProcess:
         self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
         self.runner.phases = self.profiling.phases
         self.compile_watch = CompileWatch()  # from the end of the warm-up on: any Triton compile is a stall
+        self._pending: PendingStep | None = None  # launched, its result not sent yet
 
     def start(self) -> None:
         r = self.runner
@@ -124,13 +125,13 @@ class WorkerProcess:
             self._serve_steps()
 
     def _serve_steps(self) -> None:
-        pending: PendingStep | None = None
+        self.runner.on_previous_received = self._send_pending
         last_heard = time.monotonic()
         while True:
+            pending = self._pending
             if pending is not None and not self.plans.poll(0):
                 if pending.ready():
-                    self._finish(pending)
-                    pending = None
+                    self._send_pending()
                 else:
                     self.plans.poll(0.05)  # milliseconds; wakes early when a plan arrives
                 continue
@@ -150,20 +151,25 @@ class WorkerProcess:
                 self.runner.structured.compile(msg)
                 continue
             if isinstance(msg, Shutdown):
-                if pending is not None:
-                    self._finish(pending)
+                self._send_pending()
                 return
             assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
             if pending is not None and pending.event is None:  # computed in full by execute (CPU): running the next
-                self._finish(pending)  # step before sending it would hold its tokens back a whole step
-                pending = None
-            launched = self.runner.execute(msg)  # None for a plan with no rows (only finished ids)
+                self._send_pending()  # step before sending it would hold its tokens back a whole step
+            # None for a plan with no rows (only finished ids). A step with constrained rows sends the pending
+            # step's result itself, once it has that step's tokens (ModelRunner.on_previous_received).
+            launched = self.runner.execute(msg)
             compiles = self.compile_watch.take()
             if launched is not None and compiles:
                 launched.timings["compiles"] = compiles
-            if pending is not None:
-                self._finish(pending)
-            pending = launched
+            self._send_pending()
+            self._pending = launched
+
+    def _send_pending(self) -> None:
+        """Finish the step launched before the last one, if it is still pending (`_finish`), and forget it."""
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._finish(step)
 
     def _finish(self, step: PendingStep) -> None:
         self.profiling.phases.begin("wait", step.step_id)

@@ -237,7 +237,7 @@ class SamplingStep:
     def _grammar_bitmask(self, grammars: list) -> torch.Tensor:
         """The bitmask of a step's constrained rows on the device. First the previous step's tokens are
         received (the forward of this step already runs on the device), so that every matcher stands at its
-        request's last token."""
+        request's last token, and that step's result is sent (`grammar_wait_ms` covers both)."""
         t0 = time.perf_counter()
         self.receive_previous()
         t1 = time.perf_counter()

@@ -58,7 +58,9 @@ before that forward), advances the matchers with them, fills N+1's bitmask on th
 runs the forward, copies it up and launches the sampling. The device waits only when waiting for N's
 tokens plus filling the masks takes longer than N+1's forward (about 2 ms at batch 64 on an H200 for the
 Qwen3-0.6B shape: the budget of `benchmarks/structured_output.py`); steps without constrained rows are not
-touched. (Cost of the wait itself: the host cannot prepare anything else meanwhile, but the next plan
+touched. Step N's result goes to the scheduler as soon as its tokens are received, before N+1's masks are
+filled, so that the plan of N+2 is made meanwhile and waits for the worker when N+1's sampling is launched.
+(Cost of the wait itself: the host cannot prepare anything else meanwhile, but the next plan
 is not there yet either: the worker would be idle otherwise.)
 
 Tensor parallelism: every rank compiles every grammar and keeps its own matchers, fed the same tokens
