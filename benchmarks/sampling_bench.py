@@ -4,6 +4,7 @@ Qwen3's vocabulary in bf16.
     python benchmarks/sampling_bench.py [--batches 1 64 256] [--calls 10] [--replays 20]
     python benchmarks/sampling_bench.py --dry-run    # CPU, Triton interpreter, tiny sizes: runs every path once
     python benchmarks/sampling_bench.py --kernels target filtered --batches 256   # device time of each kernel
+    python benchmarks/sampling_bench.py --kernels target --launch sample:num_warps=8,block=1024 prepare:num_stages=1
 
 Cases (every row of a batch alike, temperature 0.6):
   plain        temperature only: today `sample_candidates`; new, the same scan inside processed_sample
@@ -45,7 +46,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common.protocol import SamplingOptions  # noqa: E402
-from gpu_kernels.processed_sampling import ProcessedSamplingWorkspace, compile_for_batches, processed_sample  # noqa: E402
+from gpu_kernels.processed_sampling import (  # noqa: E402
+    LAUNCH,
+    ProcessedSamplingWorkspace,
+    compile_for_batches,
+    processed_sample,
+)
 from gpu_kernels.sampling import sample_candidates  # noqa: E402
 from gpu_kernels.sampling_inputs import PenaltyBits, from_processing  # noqa: E402
 from workers.input_batch import ReqState  # noqa: E402
@@ -194,7 +200,23 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, vocabulary 512, batch 2; no timing")
     ap.add_argument("--kernels", nargs="+", choices=list(CASES), metavar="CASE",
                     help="instead of the table: each fused kernel's device time for these cases (PDL off)")
+    ap.add_argument("--launch", nargs="+", default=[], metavar="KERNEL:KEY=VALUE,...",
+                    help=f"override the fused kernels' launch settings (gpu_kernels/processed_sampling.py's LAUNCH: "
+                         f"{', '.join(LAUNCH)}; keys num_warps, num_stages, block)")
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="the table's cases")
+    ap.add_argument("--fused-only", action="store_true", help="the table without today's path")
     args = ap.parse_args()
+    for spec in args.launch:
+        kernel, _, settings = spec.partition(":")
+        if kernel not in LAUNCH or not settings:
+            ap.error(f"--launch {spec}: expected KERNEL:KEY=VALUE,... with KERNEL one of {', '.join(LAUNCH)}")
+        for item in settings.split(","):
+            key, _, value = item.partition("=")
+            if key not in ("num_warps", "num_stages", "block") or not value.isdigit():
+                ap.error(f"--launch {spec}: {item!r} is not num_warps=N, num_stages=N or block=N")
+            LAUNCH[kernel][key] = int(value)
+    if args.launch:
+        print("launch settings:", {k: v for k, v in LAUNCH.items()})
     if args.dry_run:
         for name in CASES:
             case = build(name, 2, 512, "cpu")
@@ -216,13 +238,17 @@ def main() -> None:
         return
     print("| case | batch | fused (us) | today (us) | today / fused |")
     print("|---|---|---|---|---|")
-    for name in CASES:
+    for name in args.cases:
         for batch in args.batches:
             case = build(name, batch, args.vocab, "cuda")
             new, new_graph = device_us(case.new, args.calls, args.replays)
-            old, old_graph = device_us(case.today, args.calls, args.replays)
-            marks = ("" if new_graph else " (eager)", "" if old_graph else " (eager)")
-            print(f"| {name} | {batch} | {new:.1f}{marks[0]} | {old:.1f}{marks[1]} | {old / new:.2f}x |")
+            mark = "" if new_graph else " (eager)"
+            if args.fused_only:
+                print(f"| {name} | {batch} | {new:.1f}{mark} | - | - |")
+            else:
+                old, old_graph = device_us(case.today, args.calls, args.replays)
+                print(f"| {name} | {batch} | {new:.1f}{mark} | {old:.1f}{'' if old_graph else ' (eager)'} | "
+                      f"{old / new:.2f}x |")
             del case
             torch.cuda.empty_cache()
 
