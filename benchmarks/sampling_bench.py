@@ -88,8 +88,9 @@ class Case:
     today: Callable[[], object]
 
 
-def build(name: str, batch: int, vocab: int, device: str) -> Case:
-    """Both paths for `batch` rows of case `name`, inputs uploaded."""
+def build(name: str, batch: int, vocab: int, device: str, chunk_size: int | None = None) -> Case:
+    """Both paths for `batch` rows of case `name`, inputs uploaded (`chunk_size`: the fused sampler's, None: its
+    own choice for the batch)."""
     logits = lm_logits(batch, vocab, name == "top_p flat", device)
     temps = np.full(batch, TEMPERATURE, np.float32)
     seeds = torch.arange(batch, dtype=torch.int64, device=device) * 7919 + 1
@@ -118,7 +119,7 @@ def build(name: str, batch: int, vocab: int, device: str) -> Case:
                   else None, "last_sampled": last, "num_top": NUM_TOP}
 
     def new() -> object:
-        return processed_sample(logits, params, seeds, workspace=ws, **new_inputs)
+        return processed_sample(logits, params, seeds, workspace=ws, chunk_size=chunk_size, **new_inputs)
 
     temps_dev = torch.from_numpy(temps).to(device)
     if h is None:
@@ -205,6 +206,7 @@ def main() -> None:
                          f"{', '.join(LAUNCH)}; keys num_warps, num_stages, block)")
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="the table's cases")
     ap.add_argument("--fused-only", action="store_true", help="the table without today's path")
+    ap.add_argument("--chunk", type=int, default=None, help="the fused sampler's chunk size (default: its choice)")
     args = ap.parse_args()
     for spec in args.launch:
         kernel, _, settings = spec.partition(":")
@@ -233,14 +235,15 @@ def main() -> None:
         for name in args.kernels:
             for batch in args.batches:
                 print(f"{name}, batch {batch} (us per call, eager, PDL off):")
-                for kernel, us in kernel_breakdown(build(name, batch, args.vocab, "cuda").new, args.calls):
+                for kernel, us in kernel_breakdown(build(name, batch, args.vocab, "cuda", args.chunk).new,
+                                                     args.calls):
                     print(f"  {kernel:<50} {us:8.1f}")
         return
     print("| case | batch | fused (us) | today (us) | today / fused |")
     print("|---|---|---|---|---|")
     for name in args.cases:
         for batch in args.batches:
-            case = build(name, batch, args.vocab, "cuda")
+            case = build(name, batch, args.vocab, "cuda", args.chunk)
             new, new_graph = device_us(case.new, args.calls, args.replays)
             mark = "" if new_graph else " (eager)"
             if args.fused_only:

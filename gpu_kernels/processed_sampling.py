@@ -123,9 +123,9 @@ _FIELD_ALIGN = 16  # bytes: where each output field starts in ProcessedSample.pa
 # the engine; benchmarks/sampling_bench.py's --launch overrides them to compare settings on a GPU. Any setting gives
 # the same result.
 LAUNCH: dict[str, dict[str, int]] = {
-    "prepare": {"num_warps": 4, "block": 2048}, "plan": {"num_warps": 4}, "pivot": {"num_warps": 4},
-    "collect": {"num_warps": 4}, "resolve": {"num_warps": 4}, "sample": {"num_warps": 4, "block": 2048},
-    "rank": {"num_warps": 4, "block": 2048}, "finish": {"num_warps": 1},
+    "prepare": {"num_warps": 4, "block": 1024}, "plan": {"num_warps": 4}, "pivot": {"num_warps": 4},
+    "collect": {"num_warps": 4}, "resolve": {"num_warps": 4}, "sample": {"num_warps": 4, "block": 1024},
+    "rank": {"num_warps": 4, "block": 1024}, "finish": {"num_warps": 1},
 }
 
 __all__ = ["MAX_TOP", "SEG1", "ProcessedSample", "ProcessedSamplingWorkspace", "choose_processed_chunk_size",

@@ -101,36 +101,73 @@ def _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep
     NaN becomes -inf (it never wins) and +inf the largest float (tied at the top)."""
     # (A vector mask combines with a scalar flag through tl.where: the interpreter mistypes `mask & flag`.)
     words = cols >> 5
+    grammar_word = tl.load(grammar_row_ptr + words, mask=tl.where(has_grammar != 0, mask, False), other=-1)
+    seen_word = tl.load(seen_row_ptr + words, mask=tl.where(has_rep != 0, mask, False), other=0)
+    output_word = tl.load(output_row_ptr + words, mask=tl.where(has_fp != 0, mask, False), other=0)
+    return _process(x, cols, mask, grammar_word, seen_word, output_word, counts_row_ptr, rep, inv_rep, freq, pres,
+                    inv_t, bias)
+
+
+@triton.jit
+def _process(x, cols, mask, grammar_word, seen_word, output_word, counts_row_ptr, rep, inv_rep, freq, pres, inv_t,
+             bias):
+    """`_pipeline` from the bitset words that hold each entry's bits (grammar -1, seen and output 0 where a step is
+    off); only the counts of generated tokens are loaded here."""
     bit = cols & 31
-    allowed = (tl.load(grammar_row_ptr + words, mask=tl.where(has_grammar != 0, mask, False), other=-1) >> bit) & 1
-    x = tl.where(allowed != 0, x, -float("inf")) + bias
-    seen = (tl.load(seen_row_ptr + words, mask=tl.where(has_rep != 0, mask, False), other=0) >> bit) & 1
-    x = tl.where(seen != 0, tl.where(x > 0, x * inv_rep, x * rep), x)
-    generated = (tl.load(output_row_ptr + words, mask=tl.where(has_fp != 0, mask, False), other=0) >> bit) & 1
+    x = tl.where(((grammar_word >> bit) & 1) != 0, x, -float("inf")) + bias
+    x = tl.where(((seen_word >> bit) & 1) != 0, tl.where(x > 0, x * inv_rep, x * rep), x)
+    generated = (output_word >> bit) & 1
     count = tl.load(counts_row_ptr + cols, mask=mask & (generated != 0), other=0).to(tl.float32)
     x = (x - freq * count - pres * (count > 0).to(tl.float32)) * inv_t
     return tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
 
 
 @triton.jit
+def _load_raw(src, logits_row_ptr, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
+              output_row_ptr, has_fp):
+    """What y (see _load_y) is made from at `cols`, loaded: the float32 logits (the scratch row's y for `src` 2) and
+    the grammar, seen and output bitset words its `src` reads (-1, 0 and 0 where not read). Apart from `_from_raw`
+    so that a loop can issue the next block's loads before it processes this one."""
+    if src == 2:
+        x = tl.load(scratch_row_ptr + cols, mask=mask, other=-float("inf"))
+    else:
+        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    words = cols >> 5
+    full = src == 3
+    grammar_word = tl.load(grammar_row_ptr + words, mask=tl.where(full & (has_grammar != 0), mask, False), other=-1)
+    seen_word = tl.load(seen_row_ptr + words, mask=tl.where(((src == 1) | full) & (has_rep != 0), mask, False),
+                        other=0)
+    output_word = tl.load(output_row_ptr + words, mask=tl.where(full & (has_fp != 0), mask, False), other=0)
+    return x, grammar_word, seen_word, output_word
+
+
+@triton.jit
+def _from_raw(src, x, grammar_word, seen_word, output_word, cols, mask, counts_row_ptr, rep, inv_rep, freq, pres,
+              inv_t):
+    """The processed logits y (float32, -inf where `mask` is off) from `_load_raw`'s loads."""
+    if src == 2:
+        y = x
+    elif src == 3:
+        y = _process(x, cols, mask, grammar_word, seen_word, output_word, counts_row_ptr, rep, inv_rep, freq, pres,
+                     inv_t, 0.0)
+    elif src == 1:  # the --filtered mix: no grammar or count instructions at all
+        x = tl.where(((seen_word >> (cols & 31)) & 1) != 0, tl.where(x > 0, x * inv_rep, x * rep), x) * inv_t
+        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
+    else:
+        x = x * inv_t
+        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
+    return y
+
+
+@triton.jit
 def _load_y(src, logits_row_ptr, scratch_row_ptr, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
             rep, inv_rep, output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t):
     """The processed logits y (float32, -inf where `mask` is off) of one row at `cols` (`src`: see _row)."""
-    if src == 2:
-        y = tl.load(scratch_row_ptr + cols, mask=mask, other=-float("inf"))
-    elif src == 3:
-        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        y = _pipeline(x, cols, mask, grammar_row_ptr, has_grammar, seen_row_ptr, has_rep, rep, inv_rep,
-                      output_row_ptr, counts_row_ptr, has_fp, freq, pres, inv_t, 0.0)
-    elif src == 1:  # the --filtered mix: no grammar or count instructions at all
-        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        seen = (tl.load(seen_row_ptr + (cols >> 5), mask=mask, other=0) >> (cols & 31)) & 1
-        x = tl.where(seen != 0, tl.where(x > 0, x * inv_rep, x * rep), x) * inv_t
-        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
-    else:
-        x = tl.load(logits_row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
-        y = tl.minimum(tl.where(x == x, x, -float("inf")), _FLT_MAX)
-    return y
+    x, grammar_word, seen_word, output_word = _load_raw(src, logits_row_ptr, scratch_row_ptr, cols, mask,
+                                                        grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
+                                                        output_row_ptr, has_fp)
+    return _from_raw(src, x, grammar_word, seen_word, output_word, cols, mask, counts_row_ptr, rep, inv_rep, freq,
+                     pres, inv_t)
 
 
 # ============================================================================ ordered keys and pivots

@@ -16,6 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from gpu_kernels.processed_sampling import (  # noqa: E402
+    LAUNCH,
     SEG1,
     ProcessedSample,
     ProcessedSamplingWorkspace,
@@ -240,9 +241,11 @@ def test_plain_rows_get_the_tokens_of_sample_candidates() -> None:
         np.testing.assert_array_equal(got.cpu().numpy()[plain], want[plain])
 
 
-def test_any_chunk_and_tile_size_gives_the_same_result() -> None:
-    """Three tilings, chunkings and buffer sizes, the same results; with the 512-entry buffer the top-k 300 row
-    collects its ~300-entry upper set and sorts it at the full size (above the 256 of the usual brackets)."""
+def test_any_chunk_and_tile_size_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three tilings, chunkings and buffer sizes, and a fourth whose chunk-wide loops (prepare, with its loads one
+    block ahead; the dense sample and rank) take several blocks: the same results. With the 512-entry buffer the
+    top-k 300 row collects its ~300-entry upper set and sorts it at the full size (above the 256 of the usual
+    brackets)."""
     vocab = 700
     rows = {name: FILTER_ROWS[name] for name in ("top-k", "all three", "greedy+logprobs", "flat top-p")} | {
         "top-k 300+top-p": (1.0, 300, 0.9, 0, 2)}
@@ -250,7 +253,11 @@ def test_any_chunk_and_tile_size_gives_the_same_result() -> None:
     params = filter_params(vocab, rows)
     seeds = torch.arange(len(rows), dtype=torch.int64, device=DEVICE) + 100
     results = []
-    for tile, chunk, cap in ((32, 64, 128), (64, 1024, 128), (128, 256, 512)):
+    for tile, chunk, cap, block in ((32, 64, 128, None), (64, 1024, 128, None), (128, 256, 512, None),
+                                    (64, 1024, 128, 128)):
+        if block is not None:
+            for kernel in ("prepare", "sample", "rank"):
+                monkeypatch.setitem(LAUNCH[kernel], "block", block)
         ws = workspace(vocab, tile_size=tile, threshold_capacity=cap, num_passes=6)
         results.append(run(logits, params, seeds, ws, chunk_size=chunk))
     for out, ref in results:
@@ -398,10 +405,16 @@ def test_sparse_entries_merge_biases_and_ban_conditions() -> None:
     assert e.scratch_rows.tolist() == [0, -1, 1, 2]
 
 
-def test_the_step_inputs_give_what_workers_logits_processing_gives() -> None:
+@pytest.mark.parametrize("block", [None, 64])
+def test_the_step_inputs_give_what_workers_logits_processing_gives(block: int | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """From build_processing's ProcessingInputs (penalties, bias, bad words, min_tokens, filters, logprobs):
     the kept tokens, their processed logits and the logprobs of workers/logits_processing.py. Temperature 0.5
-    and repetition 2 have exact reciprocals, so the kernels' multiplications equal its divisions."""
+    and repetition 2 have exact reciprocals, so the kernels' multiplications equal its divisions. With `block` 64
+    the chunk-wide loops take two blocks a chunk (prepare's loads one block ahead, for every source of y)."""
+    if block is not None:
+        for kernel in ("prepare", "sample", "rank"):
+            monkeypatch.setitem(LAUNCH[kernel], "block", block)
     from common.protocol import SamplingOptions
     from workers.input_batch import ReqState
     from workers.logits_processing import LogitsProcessor, build_processing, token_logprobs
@@ -410,8 +423,10 @@ def test_the_step_inputs_give_what_workers_logits_processing_gives() -> None:
     options = [SamplingOptions(top_k=12, top_p=0.9, repetition_penalty=2.0, logprobs=3),
                SamplingOptions(top_p=0.8, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={7: 5.0}),
                SamplingOptions(min_p=0.1, bad_words=[[3, 4], [8]], min_tokens=9, stop_token_ids=[1, 2], logprobs=2),
-               None, SamplingOptions(logprobs=0)]
-    temps = np.array([0.5, 1.0, 0.5, 0.7, 0.0], np.float32)
+               None, SamplingOptions(logprobs=0),
+               SamplingOptions(top_k=20, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0,
+                               logprobs=4)]  # penalties without sparse entries: the whole pipeline on the logits
+    temps = np.array([0.5, 1.0, 0.5, 0.7, 0.0, 0.5], np.float32)
     rng = np.random.default_rng(14)
     states = []
     for i, o in enumerate(options):
