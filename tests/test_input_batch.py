@@ -62,3 +62,25 @@ def test_a_steady_decode_batch_reuses_its_processed_rows_and_any_change_rebuilds
     for i in range(2):
         last = step(batch, StepPlan(9 + i, decode_seq_ids=i32([1, 3, 4])))
     assert len(last.ban_tokens) == 0  # min_tokens reached: no ban any more
+
+
+def test_constrained_rows_are_reused_with_their_matchers() -> None:
+    """A steady batch of constrained requests reuses its processed rows: the grammar rows and their matchers are
+    the same objects every step (the bitmask is filled from the matchers each step); a new request rebuilds."""
+    matchers = []
+
+    def new_grammar(grammar_id: int, end: int, start: int) -> object:
+        matchers.append(object())
+        return matchers[-1]
+
+    batch = InputBatch(max_num_seqs=8, max_model_len=64, max_blocks_per_seq=4, block_size=16, vocab_size=1000,
+                       new_grammar=new_grammar)
+    constrained = SamplingOptions(grammar_id=0)
+    step(batch, StepPlan(0, new_requests=[new(1, constrained, 0), new(2, None, 1)]))
+    first = step(batch, StepPlan(1, decode_seq_ids=i32([1, 2])))
+    assert step(batch, StepPlan(2, decode_seq_ids=i32([1, 2]))) is first
+    assert list(first.grammar_rows) == [0] and first.grammars == [matchers[0]]
+    joined = step(batch, StepPlan(3, new_requests=[new(3, constrained, 2)], decode_seq_ids=i32([1, 2])))
+    assert joined is not first
+    steady = step(batch, StepPlan(4, decode_seq_ids=i32([1, 2, 3])))
+    assert steady.grammars == matchers and step(batch, StepPlan(5, decode_seq_ids=i32([1, 2, 3]))) is steady

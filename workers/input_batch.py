@@ -78,7 +78,7 @@ class InputBatch:
         self.admitted_penalized: list[ReqState] = []  # of the plan just applied
         self.num_processed = 0  # live requests whose logits are processed: none, and a step skips that path
         # The last step's processed rows with their key (`_processing`): a decode step of the same requests in the
-        # same rows, none with sparse entries or a grammar, has the same ones.
+        # same rows, none with sparse entries, has the same ones.
         self._last_processing: tuple[tuple[tuple[int, ...], bytes], ProcessingInputs] | None = None
 
     # ------------------------------------------------------------------ plan deltas
@@ -185,15 +185,17 @@ class InputBatch:
     def _processing(self, states: list[ReqState], temperatures: np.ndarray, rows: np.ndarray
                     ) -> ProcessingInputs | None:
         """`build_processing` of a step's sampling rows, or the last step's result when the step samples the same
-        requests in the same rows and none of them has sparse entries (bias, bans: they follow the output) or a
-        grammar. A steady decode batch thus builds its processed rows once, not every step (40 us at one row, 130
-        us at 256 on the CI machine, on the way from a result to the launch that waits for it)."""
+        requests in the same rows and none of them has sparse entries (bias, bans: they follow the output). A
+        steady decode batch thus builds its processed rows once, not every step (40 us at one row, 130 us at 256 on
+        the CI machine, on the way from a result to the launch that waits for it). Grammar rows are reused too: a
+        request keeps its matcher from its first plan to its end (new requests and forks start afresh), and the
+        step's bitmask is filled from the matchers later, every step."""
         key = (tuple([st.seq_id for st in states]), rows.tobytes())
         last = self._last_processing
         if last is not None and last[0] == key:
             return last[1]
         h = build_processing(states, temperatures, self.vocab_size, rows)
-        reusable = h is not None and not any(st.sparse or st.grammar is not None for st in states)
+        reusable = h is not None and not any(st.sparse for st in states)
         self._last_processing = (key, h) if reusable else None
         return h
 
