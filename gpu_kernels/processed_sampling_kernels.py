@@ -104,8 +104,9 @@ def _prepare_kernel(
         tl.debug_barrier()
     if stats != 0:
         # By hand, the loads of the next block are issued before this block is processed: in a loop that stores
-        # between its loads, the compiler keeps each block's loads after the last block's stores, and every block
-        # paid a whole memory round trip (the batch-256 prepare took 155-241 us on an H100, ~7x its bytes' time).
+        # between its loads, the compiler keeps each block's loads after the last block's stores. Measured on an
+        # H100 at 256 rows (benchmarks/RESULTS.md, 2026-12-07 second session): 224 -> 208 us for the target mix,
+        # but 156 -> 174 us for --filtered's; so the round trips are not what bounds this pass.
         block = tl.arange(0, TPB)[:, None] * TILE + tl.arange(0, TILE)[None, :]
         cols = chunk_lo + block
         x, g_word, s_word, o_word = _load_raw(src, logits_row, scratch_row_ptr, cols, cols < vocab_size,
