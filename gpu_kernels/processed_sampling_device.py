@@ -371,6 +371,22 @@ def _nth_tile(maxima, hit, rank, i, chunk, NTC: tl.constexpr):
 
 
 @triton.jit
+def _active_tile_raw(maxima, hit, rank, i, n_hit, chunk, src, logits_row_ptr, scratch_row_ptr, grammar_row_ptr,
+                     has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp, vocab_size, TILE: tl.constexpr,
+                     NTC: tl.constexpr):
+    """The i-th active tile of the chunk (`_chunk_tiles`): its columns `[TILE]`, its max and `_load_raw`'s loads,
+    all masked off when i >= n_hit. A loop over the active tiles calls this for tile i + 1 before it processes
+    tile i, so that the next tile's loads are in flight meanwhile."""
+    tile, tile_max = _nth_tile(maxima, hit, rank, i, chunk, NTC)
+    cols = tile * TILE + tl.arange(0, TILE)
+    x, grammar_word, seen_word, output_word = _load_raw(src, logits_row_ptr, scratch_row_ptr, cols,
+                                                        tl.where(i < n_hit, cols < vocab_size, False),
+                                                        grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
+                                                        output_row_ptr, has_fp)
+    return cols, tile_max, x, grammar_word, seen_word, output_word
+
+
+@triton.jit
 def _first(values, NB: tl.constexpr):
     """values[:NB] of a longer 1-D float tensor."""
     s = tl.arange(0, NB)

@@ -31,6 +31,7 @@ from gpu_kernels.processed_sampling_device import (
     _SEARCH,
     _SEG1,
     _SW,
+    _active_tile_raw,
     _adjacent,
     _chunk_tiles,
     _first,
@@ -39,7 +40,6 @@ from gpu_kernels.processed_sampling_device import (
     _from_raw,
     _load_raw,
     _load_search,
-    _nth_tile,
     _order_key,
     _pick,
     _pipeline,
@@ -250,18 +250,13 @@ def _pivot_kernel(
                 mx_b = tl.full([TILE], -float("inf"), tl.float32)
                 maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, need, 0, CHUNK // TILE)
                 # Each active tile's loads are issued one tile ahead (as in the prepare kernel).
-                tile, tile_max = _nth_tile(maxima, hit, rank, 0, chunk, CHUNK // TILE)
-                cols = tile * TILE + tl.arange(0, TILE)
-                x, g_word, s_word, o_word = _load_raw(src, logits_row, scratch_row_ptr, cols,
-                                                      tl.where(n_hit > 0, cols < vocab_size, False), grammar_row_ptr,
-                                                      has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp)
+                cols, tile_max, x, g_word, s_word, o_word = _active_tile_raw(
+                    maxima, hit, rank, 0, n_hit, chunk, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                    has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp, vocab_size, TILE, CHUNK // TILE)
                 for i in range(0, n_hit):
-                    tile_next, max_next = _nth_tile(maxima, hit, rank, i + 1, chunk, CHUNK // TILE)
-                    cols_next = tile_next * TILE + tl.arange(0, TILE)
-                    valid_next = tl.where(i + 1 < n_hit, cols_next < vocab_size, False)
-                    x_next, g_next, s_next, o_next = _load_raw(src, logits_row, scratch_row_ptr, cols_next, valid_next,
-                                                               grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
-                                                               output_row_ptr, has_fp)
+                    cols_next, max_next, x_next, g_next, s_next, o_next = _active_tile_raw(
+                        maxima, hit, rank, i + 1, n_hit, chunk, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                        has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp, vocab_size, TILE, CHUNK // TILE)
                     y = _from_raw(src, x, g_word, s_word, o_word, cols, cols < vocab_size, counts_row_ptr, rep,
                                   inv_rep, freq, pres, inv_t)
                     if tile_max >= lo_a:  # a tile below a bracket adds nothing to its counts
@@ -355,18 +350,13 @@ def _collect_kernel(
                               row, scratch_row, grammar_row, state_row, vocab_size, num_words))
             maxima, hit, n_hit, rank = _chunk_tiles(tile_max_ptr, row, chunk, num_tiles, need, 0, CHUNK // TILE)
             # Each active tile's loads are issued one tile ahead (as in the prepare kernel).
-            tile, _ = _nth_tile(maxima, hit, rank, 0, chunk, CHUNK // TILE)
-            cols = tile * TILE + tl.arange(0, TILE)
-            x, g_word, s_word, o_word = _load_raw(src, logits_row, scratch_row_ptr, cols,
-                                                  tl.where(n_hit > 0, cols < vocab_size, False), grammar_row_ptr,
-                                                  has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp)
+            cols, _, x, g_word, s_word, o_word = _active_tile_raw(
+                maxima, hit, rank, 0, n_hit, chunk, src, logits_row, scratch_row_ptr, grammar_row_ptr, has_grammar,
+                seen_row_ptr, has_rep, output_row_ptr, has_fp, vocab_size, TILE, CHUNK // TILE)
             for i in range(0, n_hit):  # ascending tile order: the slots stay in index order
-                tile_next, _ = _nth_tile(maxima, hit, rank, i + 1, chunk, CHUNK // TILE)
-                cols_next = tile_next * TILE + tl.arange(0, TILE)
-                valid_next = tl.where(i + 1 < n_hit, cols_next < vocab_size, False)
-                x_next, g_next, s_next, o_next = _load_raw(src, logits_row, scratch_row_ptr, cols_next, valid_next,
-                                                           grammar_row_ptr, has_grammar, seen_row_ptr, has_rep,
-                                                           output_row_ptr, has_fp)
+                cols_next, _, x_next, g_next, s_next, o_next = _active_tile_raw(
+                    maxima, hit, rank, i + 1, n_hit, chunk, src, logits_row, scratch_row_ptr, grammar_row_ptr,
+                    has_grammar, seen_row_ptr, has_rep, output_row_ptr, has_fp, vocab_size, TILE, CHUNK // TILE)
                 y = _from_raw(src, x, g_word, s_word, o_word, cols, cols < vocab_size, counts_row_ptr, rep, inv_rep,
                               freq, pres, inv_t)
                 in_a = (y >= lo_a) & (y < hi_a)
