@@ -203,7 +203,9 @@ def main() -> None:
                     help="instead of the table: each fused kernel's device time for these cases (PDL off)")
     ap.add_argument("--launch", nargs="+", default=[], metavar="KERNEL:KEY=VALUE,...",
                     help=f"override the fused kernels' launch settings (gpu_kernels/processed_sampling.py's LAUNCH: "
-                         f"{', '.join(LAUNCH)}; keys num_warps, num_stages, block)")
+                         f"{', '.join(LAUNCH)}; keys num_warps, num_stages, and block for the kernels that have "
+                         f"one: {', '.join(k for k, v in LAUNCH.items() if 'block' in v)}; a block larger than the "
+                         f"chunk is the chunk)")
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="the table's cases")
     ap.add_argument("--fused-only", action="store_true", help="the table without today's path")
     ap.add_argument("--chunk", type=int, default=None, help="the fused sampler's chunk size (default: its choice)")
@@ -214,9 +216,18 @@ def main() -> None:
             ap.error(f"--launch {spec}: expected KERNEL:KEY=VALUE,... with KERNEL one of {', '.join(LAUNCH)}")
         for item in settings.split(","):
             key, _, value = item.partition("=")
-            if key not in ("num_warps", "num_stages", "block") or not value.isdigit():
-                ap.error(f"--launch {spec}: {item!r} is not num_warps=N, num_stages=N or block=N")
-            LAUNCH[kernel][key] = int(value)
+            keys = ("num_warps", "num_stages", "block") if "block" in LAUNCH[kernel] else ("num_warps", "num_stages")
+            if key not in keys or not value.isdigit():
+                ap.error(f"--launch {spec}: {item!r} is not one of {', '.join(k + '=N' for k in keys)} (for {kernel})")
+            number = int(value)
+            power_of_two = number > 0 and not number & (number - 1)
+            if key == "num_warps" and not (power_of_two and number <= 32):
+                ap.error(f"--launch {spec}: num_warps must be a power of two from 1 to 32, got {number}")
+            if key == "num_stages" and number < 1:
+                ap.error(f"--launch {spec}: num_stages must be at least 1, got {number}")
+            if key == "block" and not (power_of_two and number >= 16):
+                ap.error(f"--launch {spec}: block must be a power of two of at least 16 entries, got {number}")
+            LAUNCH[kernel][key] = number
     if args.launch:
         print("launch settings:", {k: v for k, v in LAUNCH.items()})
     if args.dry_run:
