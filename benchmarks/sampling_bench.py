@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from common.protocol import SamplingOptions  # noqa: E402
 from gpu_kernels.processed_sampling import (  # noqa: E402
+    BLOCK,
     LAUNCH,
     ProcessedSamplingWorkspace,
     compile_for_batches,
@@ -202,10 +203,9 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", choices=list(CASES), metavar="CASE",
                     help="instead of the table: each fused kernel's device time for these cases (PDL off)")
     ap.add_argument("--launch", nargs="+", default=[], metavar="KERNEL:KEY=VALUE,...",
-                    help=f"override the fused kernels' launch settings (gpu_kernels/processed_sampling.py's LAUNCH: "
-                         f"{', '.join(LAUNCH)}; keys num_warps, num_stages, and block for the kernels that have "
-                         f"one: {', '.join(k for k, v in LAUNCH.items() if 'block' in v)}; a block larger than the "
-                         f"chunk is the chunk)")
+                    help=f"override the fused kernels' launch settings (gpu_kernels/processed_sampling.py's LAUNCH "
+                         f"and BLOCK: {', '.join(LAUNCH)}; keys num_warps, num_stages, and block for the kernels that "
+                         f"have one: {', '.join(BLOCK)}; a block larger than the chunk is the chunk)")
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="the table's cases")
     ap.add_argument("--fused-only", action="store_true", help="the table without today's path")
     ap.add_argument("--chunk", type=int, default=None, help="the fused sampler's chunk size (default: its choice)")
@@ -216,7 +216,7 @@ def main() -> None:
             ap.error(f"--launch {spec}: expected KERNEL:KEY=VALUE,... with KERNEL one of {', '.join(LAUNCH)}")
         for item in settings.split(","):
             key, _, value = item.partition("=")
-            keys = ("num_warps", "num_stages", "block") if "block" in LAUNCH[kernel] else ("num_warps", "num_stages")
+            keys = ("num_warps", "num_stages", "block") if kernel in BLOCK else ("num_warps", "num_stages")
             if key not in keys or not value.isdigit():
                 ap.error(f"--launch {spec}: {item!r} is not one of {', '.join(k + '=N' for k in keys)} (for {kernel})")
             number = int(value)
@@ -227,9 +227,12 @@ def main() -> None:
                 ap.error(f"--launch {spec}: num_stages must be at least 1, got {number}")
             if key == "block" and not (power_of_two and number >= 16):
                 ap.error(f"--launch {spec}: block must be a power of two of at least 16 entries, got {number}")
-            LAUNCH[kernel][key] = number
+            if key == "block":
+                BLOCK[kernel] = number
+            else:
+                LAUNCH[kernel][key] = number
     if args.launch:
-        print("launch settings:", {k: v for k, v in LAUNCH.items()})
+        print("launch settings:", LAUNCH, "blocks:", BLOCK)
     if args.dry_run:
         for name in CASES:
             case = build(name, 2, 512, "cpu")

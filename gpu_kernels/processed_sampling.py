@@ -118,15 +118,15 @@ _MIN_CHUNK = 2048  # chunks of at least this many entries: fewer partials for ea
 _ENTRY_BLOCK = 64  # sparse entries a prepare program handles at once
 _SMALL_SORT = 256  # a threshold bracket of at most this many entries is sorted at this size, not CAP_A
 _FIELD_ALIGN = 16  # bytes: where each output field starts in ProcessedSample.packed
-# Each kernel's launch options (Triton's num_warps and num_stages) and, for the kernels that sweep whole chunks,
-# the entries one iteration covers ("block": prepare's tiles a pass, sample's and rank's dense blocks). Fixed for
-# the engine; benchmarks/sampling_bench.py's --launch overrides them to compare settings on a GPU. Any setting gives
-# the same result.
+# Each kernel's launch options (Triton's num_warps and num_stages), and for the kernels that sweep whole chunks the
+# entries one iteration covers (prepare's tiles a pass, sample's and rank's dense blocks). Fixed for the engine;
+# benchmarks/sampling_bench.py's --launch overrides them to compare settings on a GPU. Any setting gives the same
+# result.
 LAUNCH: dict[str, dict[str, int]] = {
-    "prepare": {"num_warps": 4, "block": 1024}, "plan": {"num_warps": 4}, "pivot": {"num_warps": 4},
-    "collect": {"num_warps": 4}, "resolve": {"num_warps": 4}, "sample": {"num_warps": 4, "block": 1024},
-    "rank": {"num_warps": 4, "block": 1024}, "finish": {"num_warps": 1},
+    "prepare": {"num_warps": 4}, "plan": {"num_warps": 4}, "pivot": {"num_warps": 4}, "collect": {"num_warps": 4},
+    "resolve": {"num_warps": 4}, "sample": {"num_warps": 4}, "rank": {"num_warps": 4}, "finish": {"num_warps": 1},
 }
+BLOCK: dict[str, int] = {"prepare": 1024, "sample": 1024, "rank": 1024}
 
 __all__ = ["MAX_TOP", "SEG1", "ProcessedSample", "ProcessedSamplingWorkspace", "choose_processed_chunk_size",
            "compile_for_batches", "processed_chunk_representatives", "processed_sample"]
@@ -376,8 +376,7 @@ def processed_sample(
     grid, rows = (n, num_chunks), (n,)
     ch = max(2, triton.next_power_of_2(num_chunks))
     nt = max(2, triton.next_power_of_2(ws.num_tiles))
-    opts = {name: {k: v for k, v in o.items() if k != "block"} for name, o in LAUNCH.items()}
-    tpb = max(1, min(chunk_size, LAUNCH["prepare"]["block"]) // tile)
+    tpb = max(1, min(chunk_size, BLOCK["prepare"]) // tile)
     common = (logits, logits.stride(0), fp, ip)
     inputs = (ws.scratch, grammar, seen, output, counts)
     tiles = (b["tile_max"], b["tile_min"], b["tile_sum"], b["tile_cnt"])
@@ -385,30 +384,30 @@ def processed_sample(
     pdl = pdl_for(logits)  # every launch below waits for the one before inside the kernel (gpu_kernels/pdl.py)
     launch = launch_options(pdl)
     _prepare_kernel[grid](*common, *inputs, *entries, last, int(last_sampled is not None), *tiles, vocab, num_words,
-                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, TPB=tpb, EB=_ENTRY_BLOCK, **opts["prepare"],
+                          ws.num_tiles, CHUNK=chunk_size, TILE=tile, TPB=tpb, EB=_ENTRY_BLOCK, **LAUNCH["prepare"],
                           PDL=pdl, **launch)
-    _plan_kernel[rows](fp, ip, *tiles, b["state_f"], b["state_i"], b["row"], n, ws.num_tiles, NT=nt, **opts["plan"],
+    _plan_kernel[rows](fp, ip, *tiles, b["state_f"], b["state_i"], b["row"], n, ws.num_tiles, NT=nt, **LAUNCH["plan"],
                        PDL=pdl, **launch)
     for pass_index in range(1, ws.num_passes + 1):
         _pivot_kernel[grid](*common, *inputs, b["tile_max"], *searches, pass_index, n, num_chunks, vocab, num_words,
                             ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b,
-                            **opts["pivot"], PDL=pdl, **launch)
+                            **LAUNCH["pivot"], PDL=pdl, **launch)
     _collect_kernel[grid](*common, *inputs, b["tile_max"], *searches, b["val_a"], b["id_a"], b["val_b"], b["id_b"],
                           ws.num_passes, n, num_chunks, vocab, num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile,
-                          CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, **opts["collect"], PDL=pdl, **launch)
+                          CH=ch, CAP_A=ws.cap_a, CAP_B=ws.cap_b, **LAUNCH["collect"], PDL=pdl, **launch)
     _resolve_kernel[rows](fp, ip, b["state_f"], b["state_i"], b["row"], b["val_a"], b["id_a"], b["val_b"], b["id_b"],
                           b["top_v"], b["top_id"], b["flags"], ws.num_passes + 1, n, NB=MAX_TOP, CAP_A=ws.cap_a,
-                          CAP_B=ws.cap_b, SMALL_A=min(_SMALL_SORT, ws.cap_a), **opts["resolve"], PDL=pdl, **launch)
+                          CAP_B=ws.cap_b, SMALL_A=min(_SMALL_SORT, ws.cap_a), **LAUNCH["resolve"], PDL=pdl, **launch)
     partials = (b["best_score"], b["best_index"], b["best_y"], b["kept_mass"])
     _sample_kernel[grid](*common, seeds, *inputs, b["tile_max"], b["row"], *partials, num_chunks, vocab, num_words,
                          ws.num_tiles, CHUNK=chunk_size, TILE=tile,
-                         BLOCK_V=min(LAUNCH["sample"]["block"], chunk_size), **opts["sample"], PDL=pdl, **launch)
+                         BLOCK_V=min(BLOCK["sample"], chunk_size), **LAUNCH["sample"], PDL=pdl, **launch)
     _rank_kernel[grid](*common, *inputs, b["tile_max"], b["row"], *partials, b["rank"], tokens, num_chunks, vocab,
                        num_words, ws.num_tiles, CHUNK=chunk_size, TILE=tile, CH=ch,
-                       BLOCK_V=min(LAUNCH["rank"]["block"], chunk_size), **opts["rank"], PDL=pdl, **launch)
+                       BLOCK_V=min(BLOCK["rank"], chunk_size), **LAUNCH["rank"], PDL=pdl, **launch)
     _finish_kernel[rows](ip, b["row"], b["rank"], b["top_v"], b["top_id"], b["flags"], ws.overflow_count,
                          out.logprobs, out.ranks, out.top_logprobs, out.top_ids, out.thresholds, out.flags,
-                         num_chunks, num_top, CH=ch, NB=MAX_TOP, **opts["finish"], PDL=pdl, **launch)
+                         num_chunks, num_top, CH=ch, NB=MAX_TOP, **LAUNCH["finish"], PDL=pdl, **launch)
     return out
 
 

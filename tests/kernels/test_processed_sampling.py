@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from gpu_kernels.processed_sampling import (  # noqa: E402
-    LAUNCH,
+    BLOCK,
     SEG1,
     ProcessedSample,
     ProcessedSamplingWorkspace,
@@ -257,7 +257,7 @@ def test_any_chunk_and_tile_size_gives_the_same_result(monkeypatch: pytest.Monke
                                     (64, 1024, 128, 128)):
         if block is not None:
             for kernel in ("prepare", "sample", "rank"):
-                monkeypatch.setitem(LAUNCH[kernel], "block", block)
+                monkeypatch.setitem(BLOCK, kernel, block)
         ws = workspace(vocab, tile_size=tile, threshold_capacity=cap, num_passes=6)
         results.append(run(logits, params, seeds, ws, chunk_size=chunk))
     for out, ref in results:
@@ -414,7 +414,7 @@ def test_the_step_inputs_give_what_workers_logits_processing_gives(block: int | 
     the chunk-wide loops take two blocks a chunk (prepare's loads one block ahead, for every source of y)."""
     if block is not None:
         for kernel in ("prepare", "sample", "rank"):
-            monkeypatch.setitem(LAUNCH[kernel], "block", block)
+            monkeypatch.setitem(BLOCK, kernel, block)
     from common.protocol import SamplingOptions
     from workers.input_batch import ReqState
     from workers.logits_processing import LogitsProcessor, build_processing, token_logprobs
