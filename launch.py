@@ -53,6 +53,7 @@ try:
         DEVICES,
         DTYPES,
         KV_CACHE_DTYPES,
+        MAX_STEPS_IN_FLIGHT,
         REASONING_PARSERS,
         STRUCTURED_OUTPUTS_BACKENDS,
         ConfigError,
@@ -130,6 +131,10 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="most requests accepted but not started (no output token yet); one more is refused at once "
                         "as 'overloaded' (default: unlimited; set it when serving)")
+    g.add_argument("--max-steps-in-flight", type=int, default=2, choices=range(1, MAX_STEPS_IN_FLIGHT + 1),
+                   metavar="K", help="steps planned ahead of the workers' results (1-4, default 2: step N+1 is "
+                                     "planned while N runs); 3 gives the host's round trip two device steps, for "
+                                     "steps shorter than it (small batches)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest client message (bytes, at least 65536); a client sending more is disconnected "
                         "before it is read")

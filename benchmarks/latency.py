@@ -15,9 +15,10 @@ After `--num-iters-warmup` unmeasured iterations, `--num-iters` measured ones re
   CPU, where a pipelined step computes while it is launched and the previous one is finalized after it,
   so their gaps alternate between a few ms and two steps); on a GPU also the device
   time of each decode step and the device's idle time before it (host-bound steps show idle time);
-- on a GPU, the host chain: from a decode step's tokens reaching the host to the launch of the step that needs
-  its result (the plan after next), part by part (worker, sockets, the scheduler's result processing and planning,
-  the worker's launch), against the device step running meanwhile (from the worker's and the scheduler's step logs);
+- on a GPU, the host chain: from a decode step's tokens reaching the host to the launch of the step planned
+  from its result (step N+2 for step N; N+K with `--max-steps-in-flight K`), part by part (worker, sockets, the
+  scheduler's result processing and planning, the worker's launch), against the device steps running meanwhile
+  (from the worker's and the scheduler's step logs);
 - prefill mode (`--output-len 1`): prompt tokens/s = batch x input_len / the time until the last first
   token, and over the device time of the prefill steps (GPU).
 
@@ -141,9 +142,10 @@ CHAIN_PARTS = ("worker", "to scheduler", "result", "schedule", "to worker", "lau
 
 def host_chain(steps: list[dict], plans: list[dict], windows: list[tuple[float, float]]) -> dict | None:
     """Where the host's time goes between a decode step's tokens reaching the host and the launch of the step that
-    waits for its result (the plan after next: the scheduler plans step N+2 once step N's result is in). Mean ms
-    of each part over the decode steps of `windows`, from the worker's (`steps`) and the scheduler's (`plans`) step
-    logs, with the device time of the step in between: a chain longer than it leaves the device idle.
+    waits for its result (the scheduler plans step N+K once step N's result is in, K = max_steps_in_flight, 2 by
+    default). Mean ms of each part over the decode steps of `windows`, from the worker's (`steps`) and the
+    scheduler's (`plans`) step logs, with the device time of the K-1 steps in between: a chain longer than they
+    leaves the device idle.
 
     worker: the worker's own work on the result (logprobs to their wire form, encoding, sending); to scheduler:
     the socket and the scheduler's wake-up; result: the scheduler's processing of it, with its outputs sent to the
@@ -166,9 +168,9 @@ def host_chain(steps: list[dict], plans: list[dict], windows: list[tuple[float, 
                   (nxt["prepare_ms"] + nxt["launch_ms"]) / 1e3)
         for part, v in zip(parts, values):
             part.append(v)
-        between = by_step.get(k + 1)
-        if between is not None and "gpu_ms" in between:
-            device.append(between["gpu_ms"] / 1e3)
+        between = [by_step.get(j) for j in range(k + 1, n)]
+        if between and all(b is not None and "gpu_ms" in b for b in between):
+            device.append(sum(b["gpu_ms"] for b in between) / 1e3)
     if not parts[0]:
         return None
     chain = {name: float(np.mean(p)) for name, p in zip(CHAIN_PARTS, parts)}
@@ -190,7 +192,7 @@ def run_engine(args: argparse.Namespace, step_dir: str) -> list[dict]:
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                        tensor_parallel_size=args.tp, block_size=args.block_size, dtype=args.dtype, device=args.device,
-                       deterministic=args.deterministic)
+                       deterministic=args.deterministic, max_steps_in_flight=args.max_steps_in_flight)
     if args.kv_cache_memory_gb is not None:
         engine_args["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if args.profile_dir:
@@ -232,9 +234,9 @@ def report(r: dict) -> None:
               f"{fmt(r['device_idle_before_decode_step_s'])}")
     chain = r.get("host_chain_s")
     if chain is not None and chain["device_step"] is not None:  # on a GPU
-        print("host chain from a decode step's tokens to the launch of the step after next (mean ms): "
+        print("host chain from a decode step's tokens to the launch of the step planned after them (mean ms): "
               + ", ".join(f"{name} {chain[name] * 1e3:.3f}" for name in CHAIN_PARTS)
-              + f"; total {chain['total'] * 1e3:.3f} against the {chain['device_step'] * 1e3:.3f} ms device step "
+              + f"; total {chain['total'] * 1e3:.3f} against the {chain['device_step'] * 1e3:.3f} ms of device steps "
               "in between")
     if r["prompt_tokens_per_s"] is not None and r["output_len"] == 1:
         device = r["prompt_tokens_per_device_s"]
@@ -270,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deterministic", action="store_true",
                     help="deterministic mode (docs/deterministic.md)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-steps-in-flight", type=int, default=2,
+                    help="steps the scheduler plans ahead of the results (the engine's option; default 2)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dtype", default="auto")

@@ -31,6 +31,7 @@ DEFAULT_PROFILE_STEPS = "0:100"
 MAX_PROFILE_STEPS = 2**31 - 1  # most steps one profiling session may trace (a client's, the HTTP route's, a window's)
 MAX_STEP_ID = 2**62  # step ids travel as msgpack integers: a window ends well inside int64
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: e.g. a submission of 800 prompts of 16k token ids
+MAX_STEPS_IN_FLIGHT = 4  # steps the scheduler may plan ahead of the results; each needs a worker's host buffers
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,9 @@ class EngineConfig:
     log_level: str = "WARNING"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # client messages larger than this are refused unread
     max_waiting_requests: int | None = None  # None: unlimited; beyond it a request is refused ("overloaded")
+    # Steps planned ahead of the workers' results (scheduler_proc/scheduler.py): 2 plans step N+1 while N runs;
+    # 3 leaves the plan of N+2 two device steps to arrive in, for steps shorter than the host's round trip.
+    max_steps_in_flight: int = 2
     # Chat outputs split into reasoning and answer (frontend/reasoning_parsers.py); a grammar starts after it
     reasoning_parser: str | None = None
     # Every request's logits bitwise the same whatever else is in its batch (workers/deterministic.py)
@@ -109,6 +113,9 @@ class EngineConfig:
         positive("kv_cache_memory_gb", self.kv_cache_memory_gb, allow_none=True, integer=False)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_waiting_requests", self.max_waiting_requests, allow_none=True)
+        k = self.max_steps_in_flight
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_STEPS_IN_FLIGHT:
+            raise ConfigError(f"max_steps_in_flight must be an integer in [1, {MAX_STEPS_IN_FLIGHT}], got {k!r}")
         m = self.max_message_bytes
         if isinstance(m, bool) or not isinstance(m, int) or m < MIN_MAX_MESSAGE_BYTES:
             raise ConfigError(f"max_message_bytes must be an integer >= {MIN_MAX_MESSAGE_BYTES} (64 KiB), got {m!r}")

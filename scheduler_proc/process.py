@@ -119,6 +119,7 @@ class SchedulerProcess:
             enable_prefix_caching=cfg.enable_prefix_caching,
             vocab_size=cfg.vocab_size,
             num_ranks=cfg.tensor_parallel_size,
+            max_steps_in_flight=cfg.max_steps_in_flight,
         ))
         warning = ""
         capacity = num_blocks * cfg.block_size

@@ -91,6 +91,13 @@ def test_gpu_memory_utilization_outside_zero_to_one_is_refused(model_dir: str, v
         EngineConfig(model_dir, gpu_memory_utilization=value)
 
 
+@pytest.mark.parametrize("value", [0, 5, -1, 2.0, True, "3", None])
+def test_max_steps_in_flight_outside_1_to_4_is_refused(model_dir: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"max_steps_in_flight must be an integer in \[1, 4\]"):
+        EngineConfig(model_dir, max_steps_in_flight=value)
+    assert [EngineConfig(model_dir, max_steps_in_flight=k).max_steps_in_flight for k in (1, 4)] == [1, 4]
+
+
 @pytest.mark.parametrize("value", [1.0, 0.05, 0.9])
 def test_gpu_memory_utilization_in_zero_to_one_is_accepted(model_dir: str, value: float) -> None:
     assert EngineConfig(model_dir, gpu_memory_utilization=value).gpu_memory_utilization == value

@@ -146,9 +146,10 @@ def test_requests_get_the_same_bits_prefilled_in_chunks_and_after_preemption(
         demo_model: str, prompts: list[list[int]], alone: list[tuple]) -> None:
     rng = random.Random(11)
     # chunks of at most 13 tokens across the whole batch, and a KV cache of 24 blocks of 16 tokens for 24 requests
-    # of up to ~120 tokens each: requests are preempted and recomputed
+    # of up to ~120 tokens each: requests are preempted and recomputed; the scheduler plans two steps ahead of the
+    # results (blocks freed and reused, preemptions and finishes with two steps in flight)
     llm = LLM(demo_model, device="cpu", deterministic=True, max_model_len=512, max_num_batched_tokens=13,
-              num_kvcache_blocks=24)
+              num_kvcache_blocks=24, max_steps_in_flight=3)
     try:
         got, preemptions = _in_batch(llm, prompts, rng, 8)
         assert preemptions > 0, "the KV cache was meant to force preemptions"

@@ -91,4 +91,8 @@ def test_host_chain_adds_up_the_parts_between_a_steps_tokens_and_the_launch_that
     assert abs(chain["total"] - sum(expected.values())) < 1e-9
     assert abs(chain["device_step"] - 0.9e-3) < 1e-12
     assert host_chain(steps, plans, [(5.0, 6.0)]) is None  # no step of the window
+    # Three steps in flight: the plan of step k+3 follows step k's result, with two device steps in between.
+    three = [{**plan, "step": plan["after_result"] + 3} for plan in plans[:3]]
+    chain = host_chain(steps, three, [(0.0, 1.0)])
+    assert chain is not None and abs(chain["device_step"] - 1.8e-3) < 1e-12
     assert host_chain([{k: v for k, v in s.items() if k != "t_tokens"} for s in steps], plans, [(0.0, 1.0)]) is None

@@ -498,8 +498,8 @@ class _StubConstrainedRunner(_StubRunner):
         return step
 
 
-def _run_worker_loop(monkeypatch: pytest.MonkeyPatch, runner: type[_StubRunner],
-                     plans_to_send: list[StepPlan]) -> tuple[_StubRunner, list[int]]:
+def _run_worker_loop(monkeypatch: pytest.MonkeyPatch, runner: type[_StubRunner], plans_to_send: list[StepPlan],
+                     max_steps_in_flight: int = 2) -> tuple[_StubRunner, list[int]]:
     """Queue `plans_to_send` and a shutdown, run rank 0's step loop over them with a stub `runner`; returns the
     runner and the step ids of the results it sent."""
     import workers.process as worker_process
@@ -510,7 +510,8 @@ def _run_worker_loop(monkeypatch: pytest.MonkeyPatch, runner: type[_StubRunner],
     plans = ipc.make_socket(ctx, zmq.PUSH, endpoints.plans[0], bind=True)
     results = ipc.make_socket(ctx, zmq.PULL, endpoints.worker_out, bind=True)
     # All the worker reads besides the stub runner.
-    config = SimpleNamespace(device="cpu", tensor_parallel_size=1, profile_dir=None)
+    config = SimpleNamespace(device="cpu", tensor_parallel_size=1, profile_dir=None,
+                             max_steps_in_flight=max_steps_in_flight)
     worker = worker_process.WorkerProcess(config, endpoints, 0)  # type: ignore[arg-type]
     try:
         for plan in plans_to_send:
@@ -552,6 +553,20 @@ def test_worker_loop_sends_a_cpu_step_before_the_next_runs_and_a_gpu_step_after_
     assert sent == [0, 1, 2]
 
 
+def test_worker_loop_with_three_steps_in_flight_keeps_one_older_step_pending_after_a_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`max_steps_in_flight` 3: the scheduler plans step N+2 from step N's result, so after launching N+2 the worker
+    sends N (its tokens are due first) and leaves N+1 running; a CPU step still goes out before the next runs."""
+    plans = [StepPlan(step_id=i, decode_seq_ids=i32([3])) for i in range(4)]
+    runner, sent = _run_worker_loop(monkeypatch, _StubRunner, plans, max_steps_in_flight=3)
+    assert runner.calls == [("execute", 0), ("execute", 1), ("execute", 2), ("send", 0), ("execute", 3), ("send", 1),
+                            ("send", 2), ("send", 3)]
+    assert sent == [0, 1, 2, 3]
+    runner, sent = _run_worker_loop(monkeypatch, _StubCPURunner, plans, max_steps_in_flight=3)
+    assert runner.calls == [call for i in range(4) for call in (("execute", i), ("send", i))]
+    assert sent == [0, 1, 2, 3]
+
+
 def test_worker_loop_sends_the_previous_result_before_a_constrained_step_fills_its_masks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A step with constrained rows waits for the previous step's tokens to fill its masks; that step's result goes
@@ -591,15 +606,23 @@ def test_a_constrained_request_is_checked_at_its_last_token_and_an_incomplete_gr
 
 
 def test_model_runner_reports_the_previous_tokens_and_resumes_its_phase() -> None:
-    """`ModelRunner._receive_last_launched` (the constrained steps' wait) receives the step launched last, then calls
-    `on_previous_received` (the worker sends that step's result there), and the open profiling phase goes on."""
+    """`ModelRunner._receive_launched` (the constrained steps' wait) receives up to the step launched last, then calls
+    `on_previous_received` (the worker sends those steps' results there), and the open profiling phase goes on."""
+    from collections import deque
+
     from common.profiling import PhaseRecorder
     from workers.model_runner import ModelRunner
 
     events: list[str] = []
     phases = PhaseRecorder()
     phases.start(lambda name: SimpleNamespace(__enter__=lambda: None, __exit__=lambda *a: None))
-    runner = SimpleNamespace(_last_launched="step 4", phases=phases, receive=lambda step: events.append(step))
+    unreceived = deque(["step 3", "step 4"])
+
+    def receive(step: str) -> None:
+        events.append(step)
+        unreceived.clear()  # ModelRunner.receive receives every older step too
+
+    runner = SimpleNamespace(_unreceived=unreceived, phases=phases, receive=receive)
 
     def send() -> None:
         events.append("sent")
@@ -608,9 +631,32 @@ def test_model_runner_reports_the_previous_tokens_and_resumes_its_phase() -> Non
 
     runner.on_previous_received = send
     phases.begin("sample", 5)
-    ModelRunner._receive_last_launched(runner)  # type: ignore[arg-type]
+    ModelRunner._receive_launched(runner)  # type: ignore[arg-type]
     assert events == ["step 4", "sent"]
     assert phases.current == ("sample", 5)
-    runner._last_launched = None  # nothing launched: nothing to receive or send
-    ModelRunner._receive_last_launched(runner)  # type: ignore[arg-type]
+    ModelRunner._receive_launched(runner)  # type: ignore[arg-type]  # nothing left to receive or send
     assert events == ["step 4", "sent"]
+
+
+def test_model_runner_receives_launched_steps_in_launch_order() -> None:
+    """Receiving a step receives every step launched before it first (each step's tokens extend its requests and
+    advance their matchers, which must see them in order), and each step once."""
+    from collections import deque
+
+    from workers.model_runner import ModelRunner
+
+    steps = [SimpleNamespace(tokens=None, name=f"step {i}") for i in range(3)]
+    received: list[str] = []
+
+    def receive_one(step: SimpleNamespace) -> str:
+        if step.tokens is None:
+            received.append(step.name)
+            step.tokens = step.name
+        return step.tokens
+
+    runner = SimpleNamespace(_unreceived=deque(steps), _receive_one=receive_one)
+    assert ModelRunner.receive(runner, steps[1]) == "step 1"  # type: ignore[arg-type]
+    assert received == ["step 0", "step 1"] and list(runner._unreceived) == [steps[2]]
+    assert ModelRunner.receive(runner, steps[0]) == "step 0"  # type: ignore[arg-type]
+    assert ModelRunner.receive(runner, steps[2]) == "step 2"  # type: ignore[arg-type]
+    assert received == ["step 0", "step 1", "step 2"] and not runner._unreceived

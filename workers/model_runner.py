@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -128,19 +129,23 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_seq, self.block_size,
                                 head.vocab_size, self.structured.new_grammar)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        # One set per step that may be launched before the oldest one's tokens are read (`max_steps_in_flight`, at
+        # least 2): a step's sampled tokens land in its set, which the next steps must not reuse before then.
         self.host = [HostBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
-                     for _ in range(2)]
-        self.step_parity = 0
+                     for _ in range(max(2, config.max_steps_in_flight))]
+        self.next_host = 0
         # Each batch row's latest sampled token, and past them one scratch entry for a graph's padding rows.
         self.last_sampled = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.sampling = SamplingStep(model, self.structured, self.last_sampled, self.device, rank, config.seed,
-                                     config.max_num_seqs, self._receive_last_launched)
+                                     config.max_num_seqs, self._receive_launched)
         self.cuda_graphs = CUDAGraphRunner(config, model, self.last_sampled, self.device, rank)
         self.kv_cache: torch.Tensor | None = None
         self._last_step_end: torch.cuda.Event | None = None
-        self._last_launched: PendingStep | None = None  # the step launched last: its tokens may not be received
-        # Called once a constrained step has received the previous step's tokens, before it fills its masks: the
-        # worker process sends that step's result from here (see `_receive_last_launched`).
+        # The launched steps whose tokens are not received yet, oldest first: tokens are received in launch order,
+        # since each step's tokens extend the requests and advance their grammars' matchers.
+        self._unreceived: deque[PendingStep] = deque()
+        # Called once a constrained step has received the earlier steps' tokens, before it fills its masks: the
+        # worker process sends those steps' results from here (see `_receive_launched`).
         self.on_previous_received: Callable[[], None] | None = None
         self.phases = PhaseRecorder()  # the worker's, while it profiles (common/profiling.py)
         log.info("rank %d: %s on %s, %s, attention backend %s", rank, config.architecture, self.device,
@@ -255,10 +260,10 @@ class ModelRunner:
         penalties.copy_rows([p.row for f, p in forks if f.penalized], [f.row for f, _ in forks if f.penalized])
         inputs = self.batch.prepare(scheduled)
         t1 = time.perf_counter()
-        host = self.host[self.step_parity]
-        self.step_parity ^= 1
+        host = self.host[self.next_host]
+        self.next_host = (self.next_host + 1) % len(self.host)
         if host.copied is not None:
-            host.copied.synchronize()  # its previous copies (two steps ago) have run
+            host.copied.synchronize()  # its previous copies (len(self.host) steps ago) have run
         graph_bs = self.cuda_graphs.size_for(inputs)
         ended = None
         self.phases.begin("upload", plan.step_id)
@@ -311,7 +316,7 @@ class ModelRunner:
         if len(plan.check_grammar_seq_ids):
             step.check_grammar = [self.batch.reqs[seq_id] for seq_id in plan.check_grammar_seq_ids.tolist()]
         self._last_step_end = ended
-        self._last_launched = step
+        self._unreceived.append(step)
         return step
 
     def _upload(self, inputs: StepInputs, host: HostBuffers
@@ -350,14 +355,14 @@ class ModelRunner:
             query_start_loc_cpu=inputs.query_start_loc, seq_lens_cpu=inputs.seq_lens)
         return started, (input_ids, positions, meta, dev_idx)
 
-    def _receive_last_launched(self) -> None:
-        """Receive the tokens of the step launched last, if it has not been finalized (`SamplingStep`'s wait
-        before a grammar bitmask), then call `on_previous_received`. The worker process sends that step's result
+    def _receive_launched(self) -> None:
+        """Receive the tokens of every launched step not received yet, oldest first (`SamplingStep`'s wait
+        before a grammar bitmask), then call `on_previous_received`. The worker process sends those steps' results
         there, before the masks are filled, not after this step's launch: the scheduler then plans the next step
         while the masks fill, and its plan is waiting when this step's sampling is launched. Sent after the masks,
         the result made the device idle for the scheduler's round trip after every constrained step."""
-        if self._last_launched is not None:
-            self.receive(self._last_launched)
+        if self._unreceived:
+            self.receive(self._unreceived[-1])
             if self.on_previous_received is not None:
                 phase = self.phases.current
                 self.on_previous_received()  # it records phases of its own: resume this step's afterwards
@@ -367,8 +372,13 @@ class ModelRunner:
     def receive(self, step: PendingStep) -> np.ndarray:
         """Wait for a step's sampled tokens, record them in the batch and advance the constrained requests'
         matchers by them (their refusals go to `step.failed`, and the requests of `step.check_grammar` whose grammar
-        is then incomplete to `step.grammar_incomplete`); return them (int32, row order). Once per step: a later
-        call returns the same tokens."""
+        is then incomplete to `step.grammar_incomplete`); return them (int32, row order). The steps launched before
+        it are received first, in launch order. Once per step: a later call returns the same tokens."""
+        while step.tokens is None and self._unreceived:
+            self._receive_one(self._unreceived.popleft())
+        return self._receive_one(step)
+
+    def _receive_one(self, step: PendingStep) -> np.ndarray:
         if step.tokens is None:
             if step.event is not None:
                 step.event.synchronize()
@@ -397,6 +407,4 @@ class ModelRunner:
             step.logprobs = step.logprobs_host.to_wire()
         if step.prompt_logprobs_host is not None:
             step.prompt_logprobs = step.prompt_logprobs_host.to_wire()
-        if self._last_launched is step:
-            self._last_launched = None
         return tokens

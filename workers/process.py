@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import zmq
 
@@ -92,7 +93,10 @@ class WorkerProcess:
         self.profiling = WorkerProfiling(config, run_id_of(endpoints.run_dir), rank, device)
         self.runner.phases = self.profiling.phases
         self.compile_watch = CompileWatch()  # from the end of the warm-up on: any Triton compile is a stall
-        self._pending: PendingStep | None = None  # launched, its result not sent yet
+        self._pending: deque[PendingStep] = deque()  # launched, their results not sent yet, oldest first
+        # After a launch, the older steps left pending: with the scheduler `max_steps_in_flight` ahead, the oldest of
+        # them is sent as soon as its tokens arrive (2: step N right after N+1's launch, as the plan of N+2 needs it).
+        self.keep_pending = max(0, config.max_steps_in_flight - 2)
 
     def start(self) -> None:
         r = self.runner
@@ -127,11 +131,11 @@ class WorkerProcess:
     def _serve_steps(self) -> None:
         self.runner.on_previous_received = self._send_pending
         last_heard = time.monotonic()
+        pending = self._pending
         while True:
-            pending = self._pending
-            if pending is not None and not self.plans.poll(0):
-                if pending.ready():
-                    self._send_pending()
+            if pending and not self.plans.poll(0):
+                if pending[0].ready():
+                    self._finish(pending.popleft())
                 else:
                     self.plans.poll(0.05)  # milliseconds; wakes early when a plan arrives
                 continue
@@ -145,7 +149,7 @@ class WorkerProcess:
             if isinstance(msg, Ping):
                 continue
             if isinstance(msg, (ProfileStart, ProfileStop)):
-                self.profiling.control(msg, pending.step_id if pending is not None else None)
+                self.profiling.control(msg, pending[0].step_id if pending else None)
                 continue
             if isinstance(msg, CompileGrammars):
                 self.runner.structured.compile(msg)
@@ -154,22 +158,23 @@ class WorkerProcess:
                 self._send_pending()
                 return
             assert isinstance(msg, StepPlan), f"expected StepPlan, got {type(msg).__name__}"
-            if pending is not None and pending.event is None:  # computed in full by execute (CPU): running the next
+            if pending and pending[-1].event is None:  # computed in full by execute (CPU): running the next
                 self._send_pending()  # step before sending it would hold its tokens back a whole step
             # None for a plan with no rows (only finished ids). A step with constrained rows sends the pending
-            # step's result itself, once it has that step's tokens (ModelRunner.on_previous_received).
+            # steps' results itself, once it has their tokens (ModelRunner.on_previous_received).
             launched = self.runner.execute(msg)
             compiles = self.compile_watch.take()
             if launched is not None and compiles:
                 launched.timings["compiles"] = compiles
-            self._send_pending()
-            self._pending = launched
+            while len(pending) > self.keep_pending:
+                self._finish(pending.popleft())
+            if launched is not None:
+                pending.append(launched)
 
     def _send_pending(self) -> None:
-        """Finish the step launched before the last one, if it is still pending (`_finish`), and forget it."""
-        if self._pending is not None:
-            step, self._pending = self._pending, None
-            self._finish(step)
+        """Finish every launched step whose result is not sent yet (`_finish`), oldest first, and forget them."""
+        while self._pending:
+            self._finish(self._pending.popleft())
 
     def _finish(self, step: PendingStep) -> None:
         self.profiling.phases.begin("wait", step.step_id)
