@@ -2,7 +2,7 @@
 schema, against the same batch unconstrained, for two schemas and each structured-outputs backend.
 
     python benchmarks/structured_output.py --model DIR [--num-seqs 64] [--max-tokens 256]
-        [--backends auto xgrammar] [--schemas stress tool] [--json OUT]
+        [--backends auto xgrammar] [--schemas stress tool] [--max-steps-in-flight K] [--json OUT]
 
 DIR: a checkpoint of the Qwen3-0.6B shape (benchmarks/make_checkpoint.py), or the trained demo model's folder
 (SmolLM2-135M-Instruct, the real case: it closes its strings). Random weights are the hard case: the
@@ -62,7 +62,8 @@ def run_backend(args: argparse.Namespace, backend: str, prompts: list[list[int]]
 
     # Every constrained request runs to max_tokens on purpose (ignore_eos), which the frontend warns about once per
     # request (its JSON is left incomplete): ERROR keeps those 64 lines per schema out of the figures.
-    llm = LLM(args.model, max_model_len=2048, structured_outputs_backend=backend, log_level="ERROR")
+    llm = LLM(args.model, max_model_len=2048, structured_outputs_backend=backend, log_level="ERROR",
+              max_steps_in_flight=args.max_steps_in_flight)
     results: dict[str, dict] = {}
     try:
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -117,6 +118,8 @@ def main() -> None:
                     help="structured-outputs backends, one engine each (default: auto xgrammar)")
     ap.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS),
                     help="JSON schemas to time against the unconstrained batch (default: all)")
+    ap.add_argument("--max-steps-in-flight", type=int, default=2,
+                    help="steps the scheduler plans ahead of the results (the engine's option; default 2)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
     for name in ("num_seqs", "max_tokens"):
