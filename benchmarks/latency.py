@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="deterministic mode (docs/deterministic.md)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-steps-in-flight", type=int, default=2,
-                    help="steps the scheduler plans ahead of the results (the engine's option; default 2)")
+                    help="steps the scheduler plans ahead of the results, 1-4 (the engine's option; default 2)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dtype", default="auto")

@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS),
                     help="JSON schemas to time against the unconstrained batch (default: all)")
     ap.add_argument("--max-steps-in-flight", type=int, default=2,
-                    help="steps the scheduler plans ahead of the results (the engine's option; default 2)")
+                    help="steps the scheduler plans ahead of the results, 1-4 (the engine's option; default 2)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
     for name in ("num_seqs", "max_tokens"):
@@ -130,8 +130,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("note: no CUDA GPU here: the engine runs on the CPU, device times read 0, and the figures say nothing "
               "about the GPU overhead this benchmark is for", file=sys.stderr, flush=True)
+    from common.config import ConfigError
+
     with step_log_folder() as step_dir:  # $DELTASERVE_STEP_LOG_DIR (kept), else a temporary one
-        benchmark(args, os.path.join(step_dir, "worker-tp0.jsonl"))
+        try:
+            benchmark(args, os.path.join(step_dir, "worker-tp0.jsonl"))
+        except ConfigError as exc:  # a setting the engine refuses (the model folder, steps in flight): one line
+            ap.error(str(exc))
 
 
 def benchmark(args: argparse.Namespace, log_path: str) -> None:

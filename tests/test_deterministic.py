@@ -151,6 +151,7 @@ def test_requests_get_the_same_bits_prefilled_in_chunks_and_after_preemption(
     llm = LLM(demo_model, device="cpu", deterministic=True, max_model_len=512, max_num_batched_tokens=13,
               num_kvcache_blocks=24, max_steps_in_flight=3)
     try:
+        assert llm.client.engine_info().info["max_steps_in_flight"] == 3
         got, preemptions = _in_batch(llm, prompts, rng, 8)
         assert preemptions > 0, "the KV cache was meant to force preemptions"
         assert got == alone

@@ -96,3 +96,12 @@ def test_host_chain_adds_up_the_parts_between_a_steps_tokens_and_the_launch_that
     chain = host_chain(steps, three, [(0.0, 1.0)])
     assert chain is not None and abs(chain["device_step"] - 1.8e-3) < 1e-12
     assert host_chain([{k: v for k, v in s.items() if k != "t_tokens"} for s in steps], plans, [(0.0, 1.0)]) is None
+
+
+def test_a_steps_in_flight_the_engine_refuses_is_a_one_line_error_in_the_benchmarks(tiny_qwen3: Path) -> None:
+    for script in ("benchmarks/latency.py", "benchmarks/structured_output.py"):
+        done = subprocess.run([sys.executable, script, "--model", str(tiny_qwen3), "--max-steps-in-flight", "5"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, (script, done.stderr)
+        assert "max_steps_in_flight must be an integer in [1, 4], got 5" in done.stderr, (script, done.stderr)
+        assert "Traceback" not in done.stderr, (script, done.stderr)
