@@ -126,7 +126,8 @@ class FrontendProcess:
                 "num_kv_blocks": self.validator.num_kv_blocks, "block_size": self.validator.block_size,
                 "vocab_size": self.config.vocab_size, "max_message_bytes": self.config.max_message_bytes,
                 "max_waiting_requests": self.config.max_waiting_requests, "deterministic": self.config.deterministic,
-                "max_steps_in_flight": self.config.max_steps_in_flight, "eos_token_id": None if eos is None else int(eos), **self.ready_info}
+                "max_steps_in_flight": self.config.max_steps_in_flight,
+                "eos_token_id": None if eos is None else int(eos), **self.ready_info}
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:

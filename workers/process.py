@@ -166,14 +166,14 @@ class WorkerProcess:
             compiles = self.compile_watch.take()
             if launched is not None and compiles:
                 launched.timings["compiles"] = compiles
-            while len(pending) > self.keep_pending:
-                self._finish(pending.popleft())
+            self._send_pending(keep=self.keep_pending)
             if launched is not None:
                 pending.append(launched)
 
-    def _send_pending(self) -> None:
-        """Finish every launched step whose result is not sent yet (`_finish`), oldest first, and forget them."""
-        while self._pending:
+    def _send_pending(self, keep: int = 0) -> None:
+        """Finish the launched steps whose results are not sent yet (`_finish`), oldest first, until `keep` are
+        left, and forget them."""
+        while len(self._pending) > keep:
             self._finish(self._pending.popleft())
 
     def _finish(self, step: PendingStep) -> None:
